@@ -1,0 +1,101 @@
+"""Token-by-token KDA recurrence (decode and short prefill).
+
+One program owns a ``[BK, BV]`` tile of one sequence's state for one value head and walks the
+tokens in order::
+
+    S <- Diag(exp(g_t)) S
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T
+    o_t = S^T (scale * q_t)
+
+The state never leaves registers between tokens; it is read once at the start and written once at
+the end, so a decode step (T = 1) moves the state's bytes twice and little else.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def l2_normalize(x):
+    """x / sqrt(sum(x^2) + 1e-6) over a 1-D block (padding lanes must hold 0)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
+def fused_recurrent_kda_kernel(
+    q, k, v, g, beta, o,
+    h0, ht,                      # state in and state out (may alias for an in-place update)
+    cu_seqlens, state_indices,   # optional: varlen offsets [N + 1], state slots [N]
+    scale,
+    T,
+    num_slots,                   # rows of the state pool h0/ht
+    stride_sk, stride_sv,        # element strides of the state between key rows / value columns
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    if USE_STATE_INDICES:
+        i_s = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_s = i_n.to(tl.int64)
+    # A slot outside the pool would read and write foreign memory: its outputs become NaN instead
+    # and no state is touched, so the mistake is loud without a host-side check (and its sync).
+    slot_ok = (i_s >= 0) & (i_s < num_slots)
+    i_s = tl.where(slot_ok, i_s, 0)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    # No state lanes at all for a bad slot.
+    m_s = (o_k < tl.where(slot_ok, K, 0))[:, None] & m_v[None, :]
+    o_h = o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
+    state_base = (i_s * HV + i_hv) * K * V
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + state_base + o_h, mask=m_s, other=0.).to(tl.float32)
+
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_g = g + (bos * HV + i_hv) * K + o_k
+    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_o = o + (bos * HV + i_hv) * V + o_v
+    p_beta = beta + bos * HV + i_hv
+    for _ in range(bos, eos):
+        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_g = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_beta = tl.load(p_beta).to(tl.float32)
+        if USE_L2NORM:
+            b_q = l2_normalize(b_q)
+            b_k = l2_normalize(b_k)
+        b_q = b_q * scale
+        b_h *= tl.exp(b_g)[:, None]
+        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+        b_h += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], axis=0)
+        b_o = tl.where(slot_ok, b_o, float('nan'))
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        p_q += H * K
+        p_k += H * K
+        p_g += HV * K
+        p_v += HV * V
+        p_o += HV * V
+        p_beta += HV
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + state_base + o_h, b_h.to(ht.dtype.element_ty), mask=m_s)

@@ -1,0 +1,160 @@
+"""``fused_recurrent_kda``: validation, dispatch and the launch of the token-recurrence kernel."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
+from kda.ops.gate import activate_beta, activate_gate
+from kda.ops.utils import contiguous, next_pow2, use_kernels
+from kda.ops.validation import (_expect_dtype, _expect_shape, _expect_tensor, _expect_bool,
+                                validate_activations, validate_inputs, validate_state)
+from kda.reference import naive_recurrent_kda
+
+
+def _validate_serving(problem, q, initial_state, output_final_state, state_v_first,
+                      inplace_final_state, ssm_state_indices, out):
+    _expect_bool('inplace_final_state', inplace_final_state)
+    HV, K, V, N = problem.HV, problem.K, problem.V, problem.N
+    if ssm_state_indices is not None:
+        _expect_tensor('ssm_state_indices', ssm_state_indices)
+        if ssm_state_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ssm_state_indices must be int32 or int64, got {ssm_state_indices.dtype}")
+        _expect_shape('ssm_state_indices', ssm_state_indices, (N,), f'[N] with N = {N} sequences')
+        if ssm_state_indices.device != q.device:
+            raise ValueError(f"ssm_state_indices must be on {q.device} like q, got {ssm_state_indices.device}")
+        if not inplace_final_state:
+            raise ValueError("ssm_state_indices requires inplace_final_state=True: each sequence "
+                             "reads and writes its slot of the state pool initial_state")
+        if initial_state is None:
+            raise ValueError("ssm_state_indices requires initial_state (the state pool [P, HV, K, V])")
+        _expect_tensor('initial_state', initial_state)
+        pool = initial_state.shape[0] if initial_state.dim() == 4 else -1
+        validate_state('initial_state', initial_state, max(pool, 1), HV, K, V, state_v_first, q.device)
+    else:
+        validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, q.device)
+    if inplace_final_state:
+        if initial_state is None:
+            raise ValueError("inplace_final_state=True requires initial_state (updated in place)")
+        if not initial_state.is_contiguous():
+            raise ValueError("inplace_final_state=True requires a contiguous initial_state")
+    if out is not None:
+        _expect_tensor('out', out)
+        _expect_shape('out', out, (problem.B, problem.T, HV, V), '[B, T, HV, V]')
+        if out.dtype != q.dtype:
+            raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
+        if out.device != q.device or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous tensor on {q.device}")
+
+
+def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                state_v_first, use_qk_l2norm_in_kernel, inplace_final_state, ssm_state_indices, out):
+    """CPU without the interpreter: the float32 reference, with the same serving semantics."""
+    h0 = initial_state if ssm_state_indices is None or initial_state is None else initial_state[ssm_state_indices]
+    o, ht = naive_recurrent_kda(q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel,
+                                cu_seqlens, state_v_first)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if inplace_final_state:
+        if ssm_state_indices is None:
+            initial_state.copy_(ht)
+        else:
+            initial_state[ssm_state_indices] = ht
+        ht = initial_state
+    return o, (ht if output_final_state else None)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    state_v_first: bool = False,
+    inplace_final_state: bool = False,
+    ssm_state_indices: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA by the token-by-token recurrence: the decode step (T = 1) and short prefills.
+
+    Computes, per value head and sequence (API.md)::
+
+        S_t = Diag(exp(g_t)) S_{t-1};  S_t += beta_t k_t (v_t - S_t^T k_t)^T;  o_t = S_t^T (scale q_t)
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with ``HV % H == 0``. g: ``[B, T, HV, K]``
+            log-decay (or the raw gate with ``use_gate_in_kernel``). beta: ``[B, T, HV]``.
+        initial_state: float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); with
+            ``ssm_state_indices`` a pool ``[P, HV, K, V]`` of which sequence n uses slot
+            ``ssm_state_indices[n]`` (a slot outside the pool gives NaN outputs and no write).
+        inplace_final_state: write the final state into ``initial_state`` instead of a new tensor.
+        out: preallocated ``[B, T, HV, V]`` output. With these, a decode step allocates nothing
+            and can be captured in a CUDA graph.
+
+    Returns ``(o, final_state)``; ``final_state`` is None unless ``output_final_state``.
+    """
+    problem, _ = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                 cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
+                                 check_state=False)
+    validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
+                         safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    _validate_serving(problem, q, initial_state, output_final_state, state_v_first,
+                      inplace_final_state, ssm_state_indices, out)
+    if use_gate_in_kernel:
+        g = activate_gate(g, A_log, dt_bias, lower_bound)
+    if use_beta_sigmoid_in_kernel:
+        beta = activate_beta(beta, allow_neg_eigval)
+    if not use_kernels(q):
+        return _torch_path(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
+                           cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, inplace_final_state,
+                           ssm_state_indices, out)
+
+    q, k, v, g, beta = contiguous(q, k, v, g, beta)
+    B, T, H, HV, K, V, N = problem.B, problem.T, problem.H, problem.HV, problem.K, problem.V, problem.N
+    if out is None:
+        out = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    if initial_state is not None and not initial_state.is_contiguous():
+        initial_state = initial_state.contiguous()
+    if inplace_final_state:
+        ht = initial_state
+    elif output_final_state:
+        ht = q.new_empty(N, HV, K, V, dtype=torch.float32)
+        if state_v_first:
+            ht = q.new_empty(N, HV, V, K, dtype=torch.float32)
+    else:
+        ht = None
+    num_slots = initial_state.shape[0] if initial_state is not None else N
+    # State element (i_k, i_v) sits at i_k * V + i_v, or i_v * K + i_k when value-major.
+    stride_sk, stride_sv = (1, K) if state_v_first else (V, 1)
+    BK = next_pow2(K)
+    # 32 value columns per program: a 128x32 float32 tile is 32 registers per thread at 4 warps,
+    # and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at H = 32).
+    BV = min(next_pow2(V), 32)
+    grid = (triton.cdiv(V, BV), N * HV)
+    fused_recurrent_kda_kernel[grid](
+        q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices,
+        problem.scale, T, num_slots, stride_sk, stride_sv,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        USE_L2NORM=use_qk_l2norm_in_kernel,
+        IS_VARLEN=cu_seqlens is not None,
+        USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=ht is not None,
+        USE_STATE_INDICES=ssm_state_indices is not None,
+        num_warps=4,
+    )
+    return out, (ht if output_final_state else None)

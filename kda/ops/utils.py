@@ -1,0 +1,27 @@
+"""Small helpers shared by the launchers."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+# Triton decides at import time whether @triton.jit functions run in its interpreter, so we read
+# the same variable once. With it set, CPU tensors go through the real kernels (slowly); without
+# it, CPU tensors are computed by the PyTorch reference path.
+INTERPRET = os.environ.get('TRITON_INTERPRET', '0') not in ('', '0')
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on tensors living where ``x`` lives."""
+    return x.is_cuda or INTERPRET
+
+
+def next_pow2(n: int, minimum: int = 16) -> int:
+    """Block size covering ``n``; at least 16 so that ``tl.dot`` accepts it."""
+    return max(triton.next_power_of_2(n), minimum)
+
+
+def contiguous(*xs):
+    """Dense copies of non-contiguous views; kernels index with dense strides."""
+    return tuple(None if x is None else x.contiguous() for x in xs)
