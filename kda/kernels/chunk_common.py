@@ -1,0 +1,100 @@
+"""Helpers shared by the chunk kernels: chunk bounds, masked tiles, matrix products, safe decay.
+
+Every per-token tensor is addressed as rows of ``[B * T, heads, D]`` (row = token), every state as
+``[chunks, HV, K, V]``. A chunk covers rows ``start .. start + L - 1`` of one sequence, ``L <= BT``.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence index, first row and number of valid rows of global chunk ``i_c``.
+
+    Fixed length: chunk ``i_c`` is chunk ``i_c % NT`` of sequence ``i_c // NT``. Varlen:
+    ``chunk_indices[i_c] = (sequence, chunk within it)``.
+    """
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_n = (i_c // NT).to(tl.int64)
+        i_t = (i_c % NT).to(tl.int64)
+        bos = i_n * T
+        eos = bos + T
+    start = bos + i_t * BT
+    return i_n, start, tl.minimum(eos - start, BT).to(tl.int32)
+
+
+@triton.jit
+def sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First row, length and first global chunk of sequence ``i_n``."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NT
+    return bos, (eos - bos).to(tl.int32), c0
+
+
+@triton.jit
+def load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """float32 ``[BR, BC]`` tile of rows ``row0..`` and columns ``col0..``; zero outside
+    ``n_rows`` x ``n_cols``."""
+    o_r = row0 + tl.arange(0, BR)
+    o_c = col0 + tl.arange(0, BC)
+    m = (o_r < n_rows)[:, None] & (o_c < n_cols)[None, :]
+    p = base + o_r[:, None].to(tl.int64) * row_stride + o_c[None, :]
+    return tl.load(p, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def store_tile(base, x, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    o_r = row0 + tl.arange(0, BR)
+    o_c = col0 + tl.arange(0, BC)
+    m = (o_r < n_rows)[:, None] & (o_c < n_cols)[None, :]
+    p = base + o_r[:, None].to(tl.int64) * row_stride + o_c[None, :]
+    tl.store(p, x.to(base.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def load_row(base, row, row_stride, col0, n_cols, BC: tl.constexpr):
+    """One float32 row ``[BC]``."""
+    o_c = col0 + tl.arange(0, BC)
+    return tl.load(base + row * row_stride + o_c, mask=o_c < n_cols, other=0.).to(tl.float32)
+
+
+@triton.jit
+def mm(a, b, DOT_DTYPE: tl.constexpr):
+    """``a @ b`` with float32 accumulation. Operands are float32 blocks; for float32 inputs the
+    product is exact float32 (no tf32), otherwise the operands are rounded to the input dtype so
+    the tensor cores run at full rate."""
+    if DOT_DTYPE == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+
+
+@triton.jit
+def exp_nonpos(x):
+    """exp of a quantity that is mathematically <= 0 (a decay over a span of tokens). Clamping at 0
+    keeps padding lanes, whose exponent is meaningless, finite."""
+    return tl.exp(tl.minimum(x, 0.))
+
+
+# A step whose log-decay is below -104 multiplies by less than float32's smallest denormal
+# (exp(-104) = 6.8e-46 < 1.4e-45), so clamping it there changes no float32 product, while it keeps
+# the in-chunk cumulative decay small enough that differences of it stay accurate (float32 carries
+# an absolute error of about 6e-8 times its magnitude). The gradient below the clamp is 0, as
+# exp(g) * (...) is.
+LOG_DECAY_FLOOR = tl.constexpr(-104.0)
+
+
+@triton.jit
+def clamp_log_decay(g):
+    return tl.maximum(g, LOG_DECAY_FLOOR)

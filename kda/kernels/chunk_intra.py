@@ -1,0 +1,122 @@
+"""Chunk stage 1 (forward): in-chunk decay, the key-key and query-key matrices, the triangular
+solve, and the WY-transformed keys and values.
+
+For one chunk and value head, with ``c_i = g_1 + ... + g_i`` (in-chunk cumulative log-decay)::
+
+    A'[i, j]  = sum_d k_id k_jd exp(c_id - c_jd)                 j < i,   A = diag(beta) A'
+    Aqk[i, j] = scale sum_d q_id k_jd exp(c_id - c_jd)           j <= i
+    M = (I + A)^-1                                                unit lower triangular
+    W = M diag(beta) (k * exp(c)),    U = M diag(beta) v
+
+The exponents ``c_i - c_j`` are never split into ``exp(c_i) * exp(-c_j)`` over a whole chunk, which
+overflows once a chunk's decay passes float32's range. The chunk is cut into ``BC``-row
+sub-blocks: an off-diagonal block (I > J) factors through the last row ``r`` of block J,
+``exp(c_i - r) * exp(r - c_j)``, both factors <= 1; a diagonal block is formed element by element.
+"""
+import triton
+import triton.language as tl
+
+from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_nonpos, load_row, load_tile,
+                                      mm, store_tile)
+
+
+@triton.jit
+def intra_block_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i: tl.constexpr,
+                         i_j: tl.constexpr, L, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr):
+    """``(Q_I K_J^T, K_I K_J^T)`` with the decay ``exp(c_i - c_j)`` folded in, for sub-blocks
+    ``I = i_i`` and ``J = i_j <= I`` (rows ``I*BC..``); entries above the diagonal are garbage."""
+    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_qi = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+        b_ki = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+        b_kj = load_tile(k_base, i_j * BC, L, qk_stride, i_k * BK, K, BC, BK)
+        b_ci = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
+        b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
+        if i_j < i_i:
+            b_r = load_row(gc_base, i_j * BC + BC - 1, gc_stride, i_k * BK, K, BK)
+            b_ei = exp_nonpos(b_ci - b_r[None, :])
+            b_kj = b_kj * exp_nonpos(b_r[None, :] - b_cj)
+            b_kjt = tl.trans(b_kj)
+            b_qk += mm(b_qi * b_ei, b_kjt, DOT_DTYPE)
+            b_kk += mm(b_ki * b_ei, b_kjt, DOT_DTYPE)
+        else:
+            b_e = exp_nonpos(b_ci[:, None, :] - b_cj[None, :, :])
+            b_kje = b_kj[None, :, :] * b_e
+            b_qk += tl.sum(b_qi[:, None, :] * b_kje, axis=2)
+            b_kk += tl.sum(b_ki[:, None, :] * b_kje, axis=2)
+    return b_qk, b_kk
+
+
+@triton.jit
+def unit_lower_inverse(b_A, BT: tl.constexpr):
+    """``(I + A)^-1`` for strictly lower-triangular ``A`` (``[BT, BT]``), by forward substitution:
+    row i of the inverse is ``e_i - A[i, :] @ M``, which only reads rows already final."""
+    o_t = tl.arange(0, BT)
+    b_M = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
+    for i in range(1, BT):
+        b_a = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.), axis=0)
+        b_m = tl.sum(b_a[:, None] * b_M, axis=0)
+        b_M = tl.where(o_t[:, None] == i, b_M - b_m[None, :], b_M)
+    return b_M
+
+
+@triton.jit
+def chunk_intra_fwd_kernel(
+    q, k, v, g, beta,
+    gc, Aqk, Akk, Minv, w, u,
+    cu_seqlens, chunk_indices,
+    scale, T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+
+    q_base = q + start * H * K + i_h * K
+    k_base = k + start * H * K + i_h * K
+    v_base = v + start * HV * V + i_hv * V
+    g_base = g + start * HV * K + i_hv * K
+    gc_base = gc + start * HV * K + i_hv * K
+    A_base = Aqk + start * HV * BT + i_hv * BT
+    K_base = Akk + start * HV * BT + i_hv * BT
+    M_base = Minv + start * HV * BT + i_hv * BT
+    o_t = tl.arange(0, BT)
+    b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
+
+    # Cumulative log-decay of the valid rows (rows past L are never stored and load as 0).
+    for i_k in range(tl.cdiv(K, BK)):
+        b_g = clamp_log_decay(load_tile(g_base, 0, L, HV * K, i_k * BK, K, BT, BK))
+        store_tile(gc_base, tl.cumsum(b_g, axis=0), 0, L, HV * K, i_k * BK, K, BT, BK)
+    tl.debug_barrier()
+
+    # Sub-block products: Aqk (scale included) and A' = A / beta, both kept for the backward.
+    o_c = tl.arange(0, BC)
+    for i_i in tl.static_range(BT // BC):
+        for i_j in tl.static_range(i_i + 1):
+            b_qk, b_kk = intra_block_products(q_base, k_base, H * K, gc_base, HV * K, i_i, i_j, L,
+                                              K, BC, BK, DOT_DTYPE)
+            if i_j == i_i:
+                b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
+                b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
+            store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+            store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+    tl.debug_barrier()
+
+    b_A = load_tile(K_base, 0, L, HV * BT, 0, BT, BT, BT)
+    b_A = tl.where(o_t[:, None] > o_t[None, :], b_A * b_beta[:, None], 0.)
+    b_M = unit_lower_inverse(b_A, BT)
+    store_tile(M_base, b_M, 0, L, HV * BT, 0, BT, BT, BT)
+
+    for i_k in range(tl.cdiv(K, BK)):
+        b_k = load_tile(k_base, 0, L, H * K, i_k * BK, K, BT, BK)
+        b_c = load_tile(gc_base, 0, L, HV * K, i_k * BK, K, BT, BK)
+        b_x = b_k * exp_nonpos(b_c) * b_beta[:, None]
+        store_tile(w + start * HV * K + i_hv * K, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * K, i_k * BK, K, BT, BK)
+    for i_v in range(tl.cdiv(V, BV)):
+        b_x = load_tile(v_base, 0, L, HV * V, i_v * BV, V, BT, BV) * b_beta[:, None]
+        store_tile(u + start * HV * V + i_hv * V, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * V, i_v * BV, V, BT, BV)
