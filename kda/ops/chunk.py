@@ -15,9 +15,14 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_intra import chunk_intra_fwd_kernel
+from kda.kernels.chunk_intra_bwd import chunk_intra_bwd_kernel
 from kda.kernels.chunk_output import chunk_output_fwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
-from kda.ops.utils import next_pow2
+from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
+from kda.ops.gate import activate_beta, activate_gate
+from kda.ops.utils import contiguous, next_pow2, use_kernels
+from kda.ops.validation import (validate_activations, validate_chunk_size, validate_inputs)
+from kda.reference import chunk_kda_reference
 
 DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Rows of a sub-block of the in-chunk matrices: the smallest tile tl.dot takes.
@@ -57,9 +62,10 @@ def state_strides(K: int, V: int, state_v_first: bool) -> tuple[int, int]:
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                  cu_seqlens, layout: ChunkLayout):
-    """Runs the three forward stages. Returns ``(o, final_state, intermediates)`` where the
-    intermediates are ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``."""
+                  cu_seqlens, layout: ChunkLayout, need_output: bool = True):
+    """Runs the three forward stages (the third only with ``need_output``). Returns
+    ``(o, final_state, intermediates)`` where the intermediates are
+    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -93,9 +99,161 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
         **common)
 
+    intermediates = (gc, Aqk, Akk, Minv, w, u, h, v_new)
+    if not need_output:
+        return None, final_state, intermediates
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     BV = min(64, next_pow2(V))
     chunk_output_fwd_kernel[(triton.cdiv(V, BV), layout.total, HV)](
         q, gc, h, v_new, Aqk, o, cu_seqlens, layout.indices, scale, T, layout.NT,
         BK=min(64, next_pow2(K)), BV=BV, **common)
-    return o, final_state, (gc, Aqk, Akk, Minv, w, u, h, v_new)
+    return o, final_state, intermediates
+
+
+def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
+                  layout: ChunkLayout, do, dht, saved=None):
+    """Gradients of ``chunk_kda_fwd``: recomputes stages 1-2 (unless ``saved`` holds them), sweeps
+    the state gradient backwards, then forms every per-token gradient chunk by chunk.
+    Returns ``(dq, dk, dv, dg, dbeta, dh0)`` in float32 (dq, dk summed over GVA groups)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BT = layout.BT
+    dev = q.device
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
+    if saved is None:
+        _, _, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, False, state_v_first,
+                                    cu_seqlens, layout, need_output=False)
+    gc, Aqk, Akk, Minv, w, u, h, v_new = saved
+
+    BKS = next_pow2(K)
+    BVS = min(next_pow2(V), 64 if BKS <= 128 else 32)
+    dh = torch.empty_like(h)
+    dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    chunk_state_bwd_kernel[(triton.cdiv(V, BVS), N * HV)](
+        q, k, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, scale, T, layout.NT,
+        *state_strides(K, V, state_v_first), BK=BKS, BV=BVS,
+        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
+        **common)
+
+    dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dg = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    # The pair-matrix gradients reuse the forward's Aqk/Akk-sized scratch.
+    dAqk = torch.empty_like(Aqk)
+    dAkk = torch.empty_like(Akk)
+    chunk_intra_bwd_kernel[(layout.total, HV)](
+        q, k, v, g, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
+        dq, dk, dv, dbeta, dg, dAqk, dAkk, cu_seqlens, layout.indices, scale, T, layout.NT,
+        BC=BC, BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), **common)
+    if HV != H:
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Differentiable in q, k, v, g, beta and the initial state; the final state's gradient flows
+    back through every chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
+                cu_seqlens, layout, disable_recompute):
+        o, final_state, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state,
+                                              output_final_state, state_v_first, cu_seqlens, layout)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.saved_intermediates = saved if disable_recompute else None
+        ctx.scale, ctx.state_v_first, ctx.layout = scale, state_v_first, layout
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
+            q, k, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
+            do.contiguous(), None if dht is None else dht.contiguous(), ctx.saved_intermediates)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+                None, dh0, None, None, None, None, None)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state_v_first: bool = False,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+):
+    """KDA by the chunkwise-parallel WY/UT algorithm: training and prefill.
+
+    Same contract as ``fused_recurrent_kda`` (API.md): q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+    g ``[B, T, HV, K]`` (log-decay, <= 0), beta ``[B, T, HV]``, float32 states ``[N, HV, K, V]``
+    (``[N, HV, V, K]`` with ``state_v_first``). Differentiable in q, k, v, g, beta, the initial
+    state (and A_log, dt_bias with the in-kernel gate), including gradients arriving through the
+    final state.
+
+    Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``
+    (inference only): ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]``
+    (``[1, total chunks, HV, K, V]`` with ``cu_seqlens``).
+    """
+    problem, offsets = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                       cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu)
+    validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
+                         safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    validate_chunk_size(chunk_size)
+    for name, x in (('disable_recompute', disable_recompute),
+                    ('return_intermediate_states', return_intermediate_states)):
+        if not isinstance(x, bool):
+            raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    if return_intermediate_states and torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
+        raise ValueError("return_intermediate_states=True is for inference only; call it under "
+                         "torch.no_grad() or with inputs that do not require grad")
+
+    if use_gate_in_kernel:
+        g = activate_gate(g, A_log, dt_bias, lower_bound)
+    if use_beta_sigmoid_in_kernel:
+        beta = activate_beta(beta, allow_neg_eigval)
+    if not use_kernels(q):
+        if return_intermediate_states:
+            raise ValueError("return_intermediate_states needs the Triton kernels (a GPU, or "
+                             "TRITON_INTERPRET=1 on the CPU)")
+        return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
+                                   use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
+    layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, q.device)
+    if return_intermediate_states:
+        o, final_state, saved = chunk_kda_fwd(q, k, v, g, beta, problem.scale, initial_state,
+                                              output_final_state, state_v_first, cu_seqlens, layout)
+        h = saved[5]
+        h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
+        return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
+                                  state_v_first, cu_seqlens, layout, disable_recompute)

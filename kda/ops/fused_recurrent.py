@@ -49,10 +49,25 @@ def _validate_serving(problem, q, initial_state, output_final_state, state_v_fir
 
 def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                 state_v_first, use_qk_l2norm_in_kernel, inplace_final_state, ssm_state_indices, out):
-    """CPU without the interpreter: the float32 reference, with the same serving semantics."""
-    h0 = initial_state if ssm_state_indices is None or initial_state is None else initial_state[ssm_state_indices]
+    """CPU without the interpreter: the float32 reference, with the same serving semantics
+    (including the kernel's: a slot outside the pool gives NaN outputs and writes no state)."""
+    h0, valid = initial_state, None
+    if ssm_state_indices is not None:
+        num_slots = initial_state.shape[0]
+        idx = ssm_state_indices.long()
+        valid = (idx >= 0) & (idx < num_slots)
+        # Bad slots read slot 0 (their results are discarded below); negative indices must not wrap.
+        h0 = initial_state[torch.where(valid, idx, 0)]
     o, ht = naive_recurrent_kda(q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel,
                                 cu_seqlens, state_v_first)
+    if valid is not None and not bool(valid.all()):
+        o = o.clone()
+        if cu_seqlens is None:
+            o[~valid] = float('nan')
+        else:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=o.device), lengths)
+            o[0, ~valid[seq_of_token]] = float('nan')
     if out is not None:
         out.copy_(o)
         o = out
@@ -60,7 +75,7 @@ def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
         if ssm_state_indices is None:
             initial_state.copy_(ht)
         else:
-            initial_state[ssm_state_indices] = ht
+            initial_state[idx[valid]] = ht[valid]
         ht = initial_state
     return o, (ht if output_final_state else None)
 
@@ -125,6 +140,9 @@ def fused_recurrent_kda(
                            ssm_state_indices, out)
 
     q, k, v, g, beta = contiguous(q, k, v, g, beta)
+    # The kernel reads cu_seqlens[n] and ssm_state_indices[n] at offset n: a strided view (e.g.
+    # idx[::2]) must be made dense first (a no-op, so CUDA-graph safe, for dense tensors).
+    cu_seqlens, ssm_state_indices = contiguous(cu_seqlens, ssm_state_indices)
     B, T, H, HV, K, V, N = problem.B, problem.T, problem.H, problem.HV, problem.K, problem.V, problem.N
     if out is None:
         out = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)

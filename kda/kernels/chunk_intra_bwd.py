@@ -1,0 +1,199 @@
+"""Chunk stage 1+3 (backward): every per-token gradient of one chunk.
+
+Inputs per chunk: ``h_c`` and ``dh_c`` (state before the chunk, gradient of the state after it),
+``dV`` (forward corrections) and ``d(dV)`` (from the state sweep), ``dO``, and the recomputed
+``M = (I + A)^-1`` and ``A'``. With ``X = [diag(beta) Kt | diag(beta) v]`` and
+``[W | U] = M X`` (``Kt = k exp(c)``, ``Qt = scale q exp(c)``, ``Kbar = k exp(c_last - c)``)::
+
+    dAqk = dO dV^T                       dQt = dO h_c^T          dKbar = dV dh_c^T
+    dW   = -d(dV) h_c^T                  dU  = d(dV)
+    dX   = M^T [dW | dU]                 dA  = -dX [W | U]^T     (strictly lower part)
+    dv   = beta dX_u,   dKt = beta dX_w,  dbeta = rowsum(dX_w Kt + dX_u v + dA A'),  dA' = diag(beta) dA
+
+Then the decayed pair products ``P[i, j] = sum_d a_id b_jd exp(c_id - c_jd)`` (Aqk with a = q,
+scale in dP; A' with a = k) give ``da_i = sum_j dP_ij b_j exp(c_i - c_j)``,
+``db_j = sum_i dP_ij a_i exp(c_i - c_j)``, ``dc_i += a_i da_i``, ``dc_j -= b_j db_j``, computed in
+the same sub-blocks as the forward. ``c`` is a cumulative sum, so ``dg`` is the reverse cumulative
+sum of ``dc`` (``c_last`` feeds the last row), zero where the forward clamped ``g``.
+"""
+import triton
+import triton.language as tl
+
+from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, exp_nonpos, load_row, load_tile,
+                                      mm, store_tile)
+
+
+@triton.jit
+def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X: tl.constexpr, b_cX, i_k, L,
+                   P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Row side of sub-block X: ``sum_{J <= X} dP[X, J] (k_J * exp(c_X - c_J))`` for both
+    pair matrices (their column partner is k in both)."""
+    b_d1 = tl.zeros([BC, BK], dtype=tl.float32)
+    b_d2 = tl.zeros([BC, BK], dtype=tl.float32)
+    for J in tl.static_range(X + 1):
+        b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, J * BC, L, BC, BC)
+        b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, J * BC, L, BC, BC)
+        b_kJ = load_tile(k_base, J * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
+        b_cJ = load_tile(gc_base, J * BC, L, GC_STRIDE, i_k * BK, K, BC, BK)
+        if J < X:
+            b_r = load_row(gc_base, J * BC + BC - 1, GC_STRIDE, i_k * BK, K, BK)
+            b_kJ = b_kJ * exp_nonpos(b_r[None, :] - b_cJ)
+            b_eX = exp_nonpos(b_cX - b_r[None, :])
+            b_d1 += mm(b_p1, b_kJ, DOT_DTYPE) * b_eX
+            b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
+        else:
+            b_ke = b_kJ[None, :, :] * exp_nonpos(b_cX[:, None, :] - b_cJ[None, :, :])
+            b_d1 += tl.sum(b_p1[:, :, None] * b_ke, axis=1)
+            b_d2 += tl.sum(b_p2[:, :, None] * b_ke, axis=1)
+    return b_d1, b_d2
+
+
+@triton.jit
+def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X: tl.constexpr, b_cX, i_k, L,
+                   P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
+                   NC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Column side of sub-block X: ``sum_{I >= X} dP[I, X]^T (a_I * exp(c_I - c_X))`` with a = q
+    for Aqk and a = k for A', summed."""
+    b_d = tl.zeros([BC, BK], dtype=tl.float32)
+    for I in tl.static_range(X, NC):
+        b_p1 = load_tile(dP1_base, I * BC, L, P_STRIDE, X * BC, L, BC, BC)
+        b_p2 = load_tile(dP2_base, I * BC, L, P_STRIDE, X * BC, L, BC, BC)
+        b_qI = load_tile(q_base, I * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
+        b_kI = load_tile(k_base, I * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
+        b_cI = load_tile(gc_base, I * BC, L, GC_STRIDE, i_k * BK, K, BC, BK)
+        if I > X:
+            b_r = load_row(gc_base, X * BC + BC - 1, GC_STRIDE, i_k * BK, K, BK)
+            b_eI = exp_nonpos(b_cI - b_r[None, :])
+            b_s = mm(tl.trans(b_p1), b_qI * b_eI, DOT_DTYPE) + mm(tl.trans(b_p2), b_kI * b_eI, DOT_DTYPE)
+            b_d += b_s * exp_nonpos(b_r[None, :] - b_cX)
+        else:
+            b_e = exp_nonpos(b_cI[:, None, :] - b_cX[None, :, :])
+            b_d += tl.sum((b_p1[:, :, None] * b_qI[:, None, :] + b_p2[:, :, None] * b_kI[:, None, :]) * b_e,
+                          axis=0)
+    return b_d
+
+
+@triton.jit
+def chunk_intra_bwd_kernel(
+    q, k, v, g, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
+    dq, dk, dv, dbeta, dg, dAqk, dAkk,
+    cu_seqlens, chunk_indices,
+    scale, T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+
+    q_base = q + start * H * K + i_h * K
+    k_base = k + start * H * K + i_h * K
+    v_base = v + start * HV * V + i_hv * V
+    g_base = g + start * HV * K + i_hv * K
+    gc_base = gc + start * HV * K + i_hv * K
+    vn_base = v_new + start * HV * V + i_hv * V
+    dvn_base = dv_new + start * HV * V + i_hv * V
+    do_base = do + start * HV * V + i_hv * V
+    dq_base = dq + start * HV * K + i_hv * K
+    dk_base = dk + start * HV * K + i_hv * K
+    dg_base = dg + start * HV * K + i_hv * K
+    dv_base = dv + start * HV * V + i_hv * V
+    P_off = start * HV * BT + i_hv * BT
+    h_base = h + (i_c.to(tl.int64) * HV + i_hv) * K * V
+    dh_base = dh + (i_c.to(tl.int64) * HV + i_hv) * K * V
+
+    b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
+    b_M = load_tile(Minv + P_off, 0, L, HV * BT, 0, BT, BT, BT)
+    b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
+    b_Mt = tl.trans(b_M)
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+
+    # Value side: dAqk, dv and the U part of dA.
+    for i_v in range(tl.cdiv(V, BV)):
+        b_do = load_tile(do_base, 0, L, HV * V, i_v * BV, V, BT, BV)
+        b_vn = load_tile(vn_base, 0, L, HV * V, i_v * BV, V, BT, BV)
+        b_dvn = load_tile(dvn_base, 0, L, HV * V, i_v * BV, V, BT, BV)
+        b_v = load_tile(v_base, 0, L, HV * V, i_v * BV, V, BT, BV)
+        b_dAqk += mm(b_do, tl.trans(b_vn), DOT_DTYPE)
+        b_xu = mm(b_Mt, b_dvn, DOT_DTYPE)
+        store_tile(dv_base, b_xu * b_beta[:, None], 0, L, HV * V, i_v * BV, V, BT, BV)
+        b_db += tl.sum(b_xu * b_v, axis=1)
+        b_U = mm(b_M, b_v * b_beta[:, None], DOT_DTYPE)
+        b_dA -= mm(b_xu, tl.trans(b_U), DOT_DTYPE)
+
+    # Key side, one K-slice at a time: the state terms, the W part of dA, and dq, dk, dc so far.
+    for i_k in range(tl.cdiv(K, BK)):
+        b_dqt = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dkbar = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dlast = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            b_do = load_tile(do_base, 0, L, HV * V, i_v * BV, V, BT, BV)
+            b_vn = load_tile(vn_base, 0, L, HV * V, i_v * BV, V, BT, BV)
+            b_dvn = load_tile(dvn_base, 0, L, HV * V, i_v * BV, V, BT, BV)
+            b_h = load_tile(h_base, i_k * BK, K, V, i_v * BV, V, BK, BV)
+            b_dh = load_tile(dh_base, i_k * BK, K, V, i_v * BV, V, BK, BV)
+            b_dqt += mm(b_do, tl.trans(b_h), DOT_DTYPE)
+            b_dkbar += mm(b_vn, tl.trans(b_dh), DOT_DTYPE)
+            b_dw -= mm(b_dvn, tl.trans(b_h), DOT_DTYPE)
+            b_dlast += tl.sum(b_h * b_dh, axis=1)
+        b_q = load_tile(q_base, 0, L, H * K, i_k * BK, K, BT, BK)
+        b_k = load_tile(k_base, 0, L, H * K, i_k * BK, K, BT, BK)
+        b_c = load_tile(gc_base, 0, L, HV * K, i_k * BK, K, BT, BK)
+        b_last = load_row(gc_base, L - 1, HV * K, i_k * BK, K, BK)
+        b_e = exp_nonpos(b_c)
+        b_ebar = exp_nonpos(b_last[None, :] - b_c)
+        b_kt = b_k * b_e
+        b_xw = mm(b_Mt, b_dw, DOT_DTYPE)
+        b_W = mm(b_M, b_kt * b_beta[:, None], DOT_DTYPE)
+        b_dA -= mm(b_xw, tl.trans(b_W), DOT_DTYPE)
+        b_dkt = b_xw * b_beta[:, None]
+        b_db += tl.sum(b_xw * b_kt, axis=1)
+        b_dc = b_dqt * b_q * b_e * scale + b_dkt * b_kt - b_dkbar * b_k * b_ebar
+        b_dlast = b_dlast * exp_nonpos(b_last) + tl.sum(b_dkbar * b_k * b_ebar, axis=0)
+        b_dc += tl.where(o_t[:, None] == L - 1, b_dlast[None, :], 0.)
+        store_tile(dq_base, b_dqt * b_e * scale, 0, L, HV * K, i_k * BK, K, BT, BK)
+        store_tile(dk_base, b_dkt * b_e + b_dkbar * b_ebar, 0, L, HV * K, i_k * BK, K, BT, BK)
+        store_tile(dg_base, b_dc, 0, L, HV * K, i_k * BK, K, BT, BK)
+
+    # A = diag(beta) A': the beta gradient, then the pair-matrix gradients to scratch.
+    # Blocks above the diagonal of Akk were never written: select, don't multiply by zero.
+    b_Akk = load_tile(Akk + P_off, 0, L, HV * BT, 0, BT, BT, BT)
+    m_strict = o_t[:, None] > o_t[None, :]
+    b_dA = tl.where(m_strict, b_dA, 0.)
+    b_db += tl.sum(tl.where(m_strict, b_dA * b_Akk, 0.), axis=1)
+    tl.store(dbeta + (start + o_t) * HV + i_hv, b_db, mask=o_t < L)
+    b_dAqk = tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.)
+    store_tile(dAqk + P_off, b_dAqk, 0, L, HV * BT, 0, BT, BT, BT)
+    store_tile(dAkk + P_off, b_dA * b_beta[:, None], 0, L, HV * BT, 0, BT, BT, BT)
+    tl.debug_barrier()
+
+    NC: tl.constexpr = BT // BC
+    for X in tl.static_range(NC):
+        for i_k in range(tl.cdiv(K, BK)):
+            b_qX = load_tile(q_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
+            b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
+            b_cX = load_tile(gc_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+            b_dq1, b_dk2 = pair_row_grads(dAqk + P_off, dAkk + P_off, k_base, gc_base, X, b_cX, i_k, L,
+                                          HV * BT, H * K, HV * K, K, BC, BK, DOT_DTYPE)
+            b_dkc = pair_col_grads(dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X, b_cX, i_k, L,
+                                   HV * BT, H * K, HV * K, K, BC, NC, BK, DOT_DTYPE)
+            b_dqX = load_tile(dq_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dq1
+            b_dkX = load_tile(dk_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dk2 + b_dkc
+            b_dcX = (load_tile(dg_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+                     + b_qX * b_dq1 + b_kX * (b_dk2 - b_dkc))
+            store_tile(dq_base, b_dqX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+            store_tile(dk_base, b_dkX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+            store_tile(dg_base, b_dcX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+    tl.debug_barrier()
+
+    for i_k in range(tl.cdiv(K, BK)):
+        b_dc = load_tile(dg_base, 0, L, HV * K, i_k * BK, K, BT, BK)
+        b_g = load_tile(g_base, 0, L, HV * K, i_k * BK, K, BT, BK)
+        b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
+        store_tile(dg_base, tl.where(b_g >= LOG_DECAY_FLOOR, b_dg, 0.), 0, L, HV * K, i_k * BK, K, BT, BK)

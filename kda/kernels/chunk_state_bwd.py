@@ -1,0 +1,67 @@
+"""Chunk stage 2 (backward): the state gradient, swept from the last chunk to the first.
+
+With ``dS`` the gradient of the state after chunk c (the final-state gradient for the last chunk)
+and the forward's ``O = Qt h_c + Aqk dV``, ``dV = U - W h_c``,
+``S' = Diag(exp(c_last)) h_c + Kbar^T dV`` (``Qt = scale q exp(c)``, ``Kbar = k exp(c_last - c)``)::
+
+    dh_c  = dS                                           (kept for the per-chunk gradient stage)
+    d(dV) = Aqk^T dO + Kbar dS
+    dS    = Diag(exp(c_last)) dS + Qt^T dO - W^T d(dV)
+
+The last ``dS`` is the gradient of the initial state.
+"""
+import triton
+import triton.language as tl
+
+from kda.kernels.chunk_common import exp_nonpos, load_row, load_tile, mm, sequence_span, store_tile
+
+
+@triton.jit
+def chunk_state_bwd_kernel(
+    q, k, w, gc, Aqk, do,
+    dh, dv_new, dht, dh0,
+    cu_seqlens, chunk_offsets,
+    scale, T, NT,
+    stride_sk, stride_sv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    o_s = o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
+    s_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + s_base + o_s, mask=m_s, other=0.).to(tl.float32)
+
+    for i_r in range(tl.cdiv(L, BT)):
+        i_t = tl.cdiv(L, BT) - 1 - i_r
+        row0 = bos + i_t * BT
+        n = tl.minimum(L - i_t * BT, BT)
+        store_tile(dh + ((c0 + i_t) * HV + i_hv) * K * V, b_dh, 0, K, V, i_v * BV, V, BK, BV)
+        b_do = load_tile(do + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
+        b_A = load_tile(Aqk + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
+        b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.)
+        b_c = load_tile(gc + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, HV * K, 0, K, BK)
+        b_k = load_tile(k + row0 * H * K + i_h * K, 0, n, H * K, 0, K, BT, BK)
+        b_kbar = b_k * exp_nonpos(b_last[None, :] - b_c)
+        b_ddv = mm(tl.trans(b_A), b_do, DOT_DTYPE) + mm(b_kbar, b_dh, DOT_DTYPE)
+        store_tile(dv_new + row0 * HV * V + i_hv * V, b_ddv, 0, n, HV * V, i_v * BV, V, BT, BV)
+        b_q = load_tile(q + row0 * H * K + i_h * K, 0, n, H * K, 0, K, BT, BK)
+        b_qt = b_q * exp_nonpos(b_c) * scale
+        b_w = load_tile(w + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+        b_dh = (b_dh * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_qt), b_do, DOT_DTYPE)
+                - mm(tl.trans(b_w), b_ddv, DOT_DTYPE))
+
+    if STORE_INITIAL_STATE_GRADIENT:
+        tl.store(dh0 + s_base + o_s, b_dh, mask=m_s)
