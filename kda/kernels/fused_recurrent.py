@@ -88,7 +88,7 @@ def fused_recurrent_kda_kernel(
         b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
         b_h += b_k[:, None] * b_v[None, :]
         b_o = tl.sum(b_h * b_q[:, None], axis=0)
-        b_o = b_o
+        b_o = tl.where(slot_ok, b_o, float('nan'))
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
         p_q += H * K
         p_k += H * K
