@@ -35,7 +35,8 @@ def intra_block_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i: tl.
         b_ci = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
         b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
         if i_j < i_i:
-            b_r = load_row(gc_base, i_j * BC + BC - 1, gc_stride, i_k * BK, K, BK)
+            # Clamped to the chunk: blocks past its end read no row beyond the buffer.
+            b_r = load_row(gc_base, tl.minimum(i_j * BC + BC - 1, L - 1), gc_stride, i_k * BK, K, BK)
             b_ei = exp_nonpos(b_ci - b_r[None, :])
             b_kj = b_kj * exp_nonpos(b_r[None, :] - b_cj)
             b_kjt = tl.trans(b_kj)
@@ -107,10 +108,27 @@ def chunk_intra_fwd_kernel(
             store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
     tl.debug_barrier()
 
-    b_A = load_tile(K_base, 0, L, HV * BT, 0, BT, BT, BT)
-    b_A = tl.where(o_t[:, None] > o_t[None, :], b_A * b_beta[:, None], 0.)
-    b_M = unit_lower_inverse(b_A, BT)
-    store_tile(M_base, b_M, 0, L, HV * BT, 0, BT, BT, BT)
+    # Block forward substitution over BC-row blocks: M_II = (I + A_II)^-1 row by row, then
+    # M_IJ = -M_II sum_{J <= L < I} A_IL M_LJ from blocks already written to Minv. A row-by-row
+    # solve of the whole chunk took BT dependent steps of [BT, BT] reductions; this takes BC
+    # steps on [BC, BC] tiles plus a few BC^3 products.
+    for i_i in tl.static_range(BT // BC):
+        b_bi = tl.load(beta + (start + i_i * BC + o_c) * HV + i_hv, mask=i_i * BC + o_c < L,
+                       other=0.).to(tl.float32)
+        b_Aii = load_tile(K_base, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
+        b_Aii = tl.where(o_c[:, None] > o_c[None, :], b_Aii * b_bi[:, None], 0.)
+        b_Mii = unit_lower_inverse(b_Aii, BC)
+        store_tile(M_base, b_Mii, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
+        for i_j in tl.static_range(i_i):
+            b_s = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_l in tl.static_range(i_j, i_i):
+                b_Ail = load_tile(K_base, i_i * BC, L, HV * BT, i_l * BC, BT, BC, BC) * b_bi[:, None]
+                b_Mlj = load_tile(M_base, i_l * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+                b_s += mm(b_Ail, b_Mlj, tl.float32)
+            store_tile(M_base, -mm(b_Mii, b_s, tl.float32), i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+        tl.debug_barrier()
+    b_M = load_tile(M_base, 0, L, HV * BT, 0, BT, BT, BT)
+    b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
 
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_tile(k_base, 0, L, H * K, i_k * BK, K, BT, BK)

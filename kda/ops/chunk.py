@@ -87,6 +87,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     # The state slice lives in registers: [K, BV] float32. 128 x 64 is 64 registers a thread at
     # 4 warps; at K = 256 halve BV to keep that.
     BVS = min(next_pow2(V), 64 if BKS <= 128 else 32)
+    # At K = 256 the pipelined chunk loop asked for 273 KiB of shared memory (limit 227 KiB on
+    # the H200); one stage fits.
+    state_stages = 1 if BKS > 128 else 2
     h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     final_state = None
@@ -97,7 +100,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         k, w, u, gc, h, v_new, initial_state, final_state, cu_seqlens, layout.offsets, T, layout.NT,
         *state_strides(K, V, state_v_first), BK=BKS, BV=BVS,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        **common)
+        num_stages=state_stages, **common)
 
     intermediates = (gc, Aqk, Akk, Minv, w, u, h, v_new)
     if not need_output:
@@ -135,7 +138,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         q, k, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, scale, T, layout.NT,
         *state_strides(K, V, state_v_first), BK=BKS, BV=BVS,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
-        **common)
+        num_stages=1 if BKS > 128 else 2, **common)
 
     dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
@@ -252,7 +255,7 @@ def chunk_kda(
     if return_intermediate_states:
         o, final_state, saved = chunk_kda_fwd(q, k, v, g, beta, problem.scale, initial_state,
                                               output_final_state, state_v_first, cu_seqlens, layout)
-        h = saved[5]
+        h = saved[6]
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
     return ChunkKDAFunction.apply(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
