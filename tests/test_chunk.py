@@ -1,0 +1,872 @@
+"""``chunk_kda`` (the chunkwise WY/UT kernels) against the float64 oracle.
+
+Small-shape tests run the real Triton kernels: on CPU tensors through the interpreter
+(``TRITON_INTERPRET=1``), or on CUDA tensors when a GPU is present (``KDEV`` below); they are
+skipped when neither is available. The reference is always ``naive_recurrent_kda`` in float64 on
+the CPU, and results are compared by the relative error norm ``||x - ref|| / ||ref||``.
+
+* float32 forward outputs, final states and every gradient (q, k, v, g, beta, initial_state; the
+  loss takes random upstream gradients for ``o`` AND for the final state) must agree to ``TOL``
+  (2e-5; observed ~1e-7 .. 1e-6).
+* Strong decay (steps of -20 over stretches, single steps of -1e3 / -1e4): the kernels hold each
+  chunk's cumulative log-decay in float32, so a big drop followed by mild decay inside one chunk
+  loses absolute precision in the exponent (~ulp of the cumulative sum, e.g. 2.4e-4 at -3300).
+  That floor is measured (float64 chunk algebra fed the float32-rounded cumulative sums) and the
+  bound is ``TOL + 2 * floor`` (see ``test_strong_decay``).
+* Low precision: bounds derived from the reference's own error in that dtype (``lowp_bound``).
+  bf16 cannot run in the interpreter: it multiplies bf16 ``tl.dot`` operands as raw uint16 bit
+  patterns (triton-lang/triton#11584, "not supported yet"), so bf16 runs on CUDA only; fp16 runs
+  in both.
+
+In the interpreter every kernel load and store is bounds-checked against the launch's tensors
+(``bounds_checked_memory``, autouse), and ``test_every_element_written`` poisons every allocation
+with NaN plus a NaN guard region after it.
+
+CUDA-only tests at real sizes (bf16, B=8, T=4096, H=16, K=V=128; varlen 8192 tokens; gradients
+against float64 at T=512) are at the end.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kda.ops.chunk as chunk_mod
+from kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
+from kda.ops.utils import INTERPRET
+from kda.reference import chunk_kda_reference
+from conftest import (HAS_CUDA, make_cu_seqlens, make_inputs, make_state, reference64, rel_err,
+                      requires_cuda, to64)
+
+TOL = 2e-5
+
+# Where the small-shape kernel tests run: CUDA when present, else CPU through the interpreter.
+KDEV = 'cuda' if HAS_CUDA else 'cpu'
+requires_kernels = pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET), reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA GPU to run the kernels")
+requires_bf16_kernels = pytest.mark.skipif(
+    not HAS_CUDA, reason="the Triton interpreter computes bf16 tl.dot on raw bit patterns "
+                         "(triton-lang/triton#11584); bf16 kernels are tested on CUDA only")
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def _dev(d: dict, device) -> dict:
+    return {n: (None if x is None else x.to(device)) for n, x in d.items()}
+
+
+def run_chunk(inputs: dict, h0, *, output_final_state=True, cu_seqlens=None, grads=True,
+              do=None, dht=None, use_o=True, device=KDEV, **opts):
+    """chunk_kda on ``device`` (fresh leaves), then autograd with upstream gradients ``do`` for o
+    and ``dht`` for the final state (random when None; ``use_o=False`` drops o from the loss).
+    Returns ``(o, ht, grads_by_name, do, dht)``, everything on the CPU."""
+    # No clone: a strided view stays a strided view (clone would densify a sliced tensor).
+    leaves = {n: x.detach().to(device).requires_grad_(grads) for n, x in inputs.items()}
+    if h0 is not None:
+        leaves['initial_state'] = h0.detach().to(device).requires_grad_(grads)
+    cu = None if cu_seqlens is None else cu_seqlens.to(device)
+    o, ht = chunk_kda(**leaves, output_final_state=output_final_state, cu_seqlens=cu, **opts)
+    assert o.dtype == inputs['q'].dtype and o.shape == inputs['v'].shape
+    assert (ht is None) == (not output_final_state)
+    if ht is not None:
+        assert ht.dtype == torch.float32
+    gd = {}
+    if grads:
+        do = torch.randn(o.shape, dtype=torch.float64).to(o.dtype) if do is None else do
+        loss = (o.float() * do.to(device).float()).sum() if use_o else 0.
+        if ht is not None:
+            dht = torch.randn(ht.shape, dtype=torch.float64).float() if dht is None else dht
+            loss = loss + (ht * dht.to(device)).sum()
+        names = list(leaves)
+        gs = torch.autograd.grad(loss, [leaves[n] for n in names])
+        gd = {n: gr.detach().cpu() for n, gr in zip(names, gs)}
+        for n in names:
+            assert gd[n].dtype == leaves[n].dtype, f"d{n} dtype {gd[n].dtype} != {leaves[n].dtype}"
+    return (o.detach().cpu(), None if ht is None else ht.detach().cpu(), gd,
+            do if use_o else None, dht if ht is not None else None)
+
+
+def run_ref(inputs: dict, h0, do, dht, *, fn=naive_recurrent_kda, cast=to64, cu_seqlens=None, **opts):
+    """``fn`` (default: the naive recurrence) on ``cast`` copies (default float64) of the inputs on
+    the CPU, with autograd for the same upstream gradients. Returns ``(o, ht, grads_by_name)``."""
+    leaves = {n: cast(x.cpu()).requires_grad_(do is not None or dht is not None) for n, x in inputs.items()}
+    if h0 is not None:
+        leaves['initial_state'] = cast(h0.cpu()).requires_grad_(leaves['q'].requires_grad)
+    o, ht = fn(**leaves, output_final_state=True, cu_seqlens=cu_seqlens, **opts)
+    gd = {}
+    if do is not None or dht is not None:
+        loss = 0.
+        if do is not None:
+            loss = (o.to(ht.dtype) * cast(do)).sum()
+        if dht is not None:
+            loss = loss + (ht * cast(dht)).sum()
+        names = list(leaves)
+        gs = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        gd = {n: (torch.zeros_like(leaves[n]) if gr is None else gr.detach()) for n, gr in zip(names, gs)}
+    return o.detach(), ht.detach(), gd
+
+
+def errors(o, ht, gd, ro, rht, rgd) -> dict:
+    """Relative errors of everything present; asserts everything is finite."""
+    out = {'o': (o, ro)}
+    if ht is not None:
+        out['ht'] = (ht, rht)
+    for n, gr in gd.items():
+        out['d' + n] = (gr, rgd[n])
+    errs = {}
+    for name, (x, ref) in out.items():
+        bad = (~torch.isfinite(x)).sum().item()
+        assert bad == 0, f"{name}: {bad} non-finite entries"
+        errs[name] = rel_err(x, ref)
+    return errs
+
+
+def assert_errs(errs: dict, bound, what=''):
+    """``bound``: a number, or a dict name -> number."""
+    print(f"\n{what}: " + ' '.join(f"{n}={e:.1e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        b = bound[n] if isinstance(bound, dict) else bound
+        assert e < b, f"{what}: {n} rel err {e:.3e} >= {b:.3e} (all: {errs})"
+
+
+def lengths_to_cu(lengths):
+    return make_cu_seqlens(lengths)
+
+
+def check_case(B, T, H, HV, K, V, *, chunk_size, h0=True, final=True, lengths=None,
+               state_v_first=False, l2=False, scale=None, grads=True, inputs=None, tol=TOL):
+    """One float32 case against the float64 oracle: forward, final state and all gradients."""
+    cu = None
+    if lengths is not None:
+        cu = lengths_to_cu(lengths)
+        B, T = 1, sum(lengths)
+    N = B if cu is None else len(lengths)
+    x = make_inputs(B, T, H, HV, K, V, normalize_k=not l2) if inputs is None else inputs
+    s0 = make_state(N, HV, K, V, state_v_first=state_v_first) if h0 else None
+    opts = dict(state_v_first=state_v_first, use_qk_l2norm_in_kernel=l2, scale=scale)
+    o, ht, gd, do, dht = run_chunk(x, s0, output_final_state=final, cu_seqlens=cu, grads=grads,
+                                   chunk_size=chunk_size, **opts)
+    ro, rht, rgd = run_ref(x, s0, do, dht, cu_seqlens=cu, **opts)
+    errs = errors(o, ht, gd, ro, rht, rgd)
+    if grads:
+        expected = set(x) | ({'initial_state'} if h0 else set())
+        assert {n[1:] for n in errs if n.startswith('d')} == expected
+    assert_errs(errs, tol, f"B={B} T={T} H={H} HV={HV} K={K} V={V} BT={chunk_size} lengths={lengths}")
+    return errs
+
+
+@pytest.fixture(autouse=True)
+def bounds_checked_memory(monkeypatch):
+    """Autouse, interpreter only: every unmasked load and store of a kernel must touch bytes inside
+    one of the launch's tensor arguments (a read past the end of a buffer is undefined behaviour on the
+    GPU: usually garbage, possibly a fault). Hooks the interpreter's masked load/store (Triton
+    3.x internals); skips the test where they are not available."""
+    if HAS_CUDA or not INTERPRET:
+        yield None
+        return
+    try:
+        from triton.runtime import interpreter as it
+        builder, executor = it.InterpreterBuilder, it.GridExecutor
+        builder.create_masked_load, builder.create_masked_store, executor.__call__
+    except (ImportError, AttributeError):
+        pytest.skip("this Triton's interpreter has no load/store hooks to check bounds")
+    import numpy as np
+    ranges = []
+    bad = []
+    real_call, real_load, real_store = executor.__call__, builder.create_masked_load, builder.create_masked_store
+
+    def call(self, *args, **kwargs):
+        saved = list(ranges)
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.numel() > 0:
+                # the tensor's own extent (not its storage's: a view's neighbours are off limits)
+                span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
+                ranges.append((a.data_ptr(), a.data_ptr() + span * a.element_size()))
+        try:
+            return real_call(self, *args, **kwargs)
+        finally:
+            ranges[:] = saved
+
+    def check(ptrs, mask, what):
+        addr = np.broadcast_to(ptrs.data, np.broadcast_shapes(ptrs.data.shape, mask.data.shape))
+        addr = addr[np.broadcast_to(mask.data, addr.shape)].astype(np.uint64)
+        size = np.dtype(it._get_np_dtype(ptrs.get_element_ty())).itemsize
+        ok = np.zeros(addr.shape, dtype=bool)
+        for lo, hi in ranges:
+            ok |= (addr >= lo) & (addr + size <= hi)
+        if not ok.all():
+            bad.append(f"{what}: {int((~ok).sum())} of {addr.size} addresses outside every argument")
+
+    def load(self, ptrs, mask, other, *a, **kw):
+        check(ptrs, mask, 'load')
+        return real_load(self, ptrs, mask, other, *a, **kw)
+
+    def store(self, ptrs, value, mask, *a, **kw):
+        check(ptrs, mask, 'store')
+        return real_store(self, ptrs, value, mask, *a, **kw)
+
+    monkeypatch.setattr(executor, '__call__', call)
+    monkeypatch.setattr(builder, 'create_masked_load', load)
+    monkeypatch.setattr(builder, 'create_masked_store', store)
+    yield bad
+    assert not bad, f"out-of-bounds memory accesses: {bad[:5]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# float32 matrix against the float64 oracle (forward, final state, all gradients)
+# ----------------------------------------------------------------------------------------------
+
+MATRIX = [
+    # id, (B, T, H, HV, K, V), options
+    ('T45-BT32-B2', (2, 45, 1, 1, 32, 32), dict(chunk_size=32)),
+    ('T64-BT32-exact', (1, 64, 1, 1, 32, 32), dict(chunk_size=32, h0=False)),
+    ('T70-BT64-gva12', (1, 70, 1, 2, 32, 32), dict(chunk_size=64)),
+    ('T37-BT32-gva24-noh0-nofinal', (1, 37, 2, 4, 16, 16), dict(chunk_size=32, h0=False, final=False)),
+    ('T20-BT64-short-nofinal', (2, 20, 1, 1, 32, 32), dict(chunk_size=64, final=False)),
+    ('T45-BT32-K60-V48-vfirst', (1, 45, 1, 2, 60, 48), dict(chunk_size=32, state_v_first=True)),
+    ('T40-BT32-l2norm-scale', (1, 40, 2, 2, 32, 32), dict(chunk_size=32, l2=True, scale=0.3)),
+    ('T30-BT32-K100-V100', (1, 30, 1, 1, 100, 100), dict(chunk_size=32)),
+    ('T1-BT64', (3, 1, 1, 1, 16, 16), dict(chunk_size=64)),
+    ('varlen-BT32-empty-len1', None, dict(chunk_size=32, lengths=[0, 1, 19, 25], H=1, HV=2, K=32, V=32)),
+    ('varlen-BT64-vfirst-l2', None, dict(chunk_size=64, lengths=[40, 0, 1, 29], H=1, HV=2, K=32, V=24,
+                                         state_v_first=True, l2=True)),
+    ('varlen-BT32-gva-noh0', None, dict(chunk_size=32, lengths=[33, 3, 32], H=2, HV=4, K=16, V=16, h0=False)),
+]
+
+
+@requires_kernels
+@pytest.mark.parametrize('shape,opts', [pytest.param(s, o, id=i) for i, s, o in MATRIX])
+def test_matches_reference(shape, opts):
+    opts = dict(opts)
+    if shape is None:
+        shape = (1, 0, opts.pop('H'), opts.pop('HV'), opts.pop('K'), opts.pop('V'))
+    check_case(*shape, **opts)
+
+
+@requires_kernels
+def test_forward_K32_V100():
+    """K != V with V > 64 (several V blocks in every stage) and T not a multiple of the chunk."""
+    check_case(1, 50, 1, 1, 32, 100, chunk_size=64, grads=False)
+
+
+@requires_kernels
+@pytest.mark.parametrize('gate', ['A_log+dt_bias', 'lower_bound'])
+def test_gate_and_beta_in_kernel(gate):
+    """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of API.md written out here
+    in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias."""
+    B, T, H, HV, K, V = 1, 40, 1, 2, 16, 16
+    x = make_inputs(B, T, H, HV, K, V)
+    x['g'] = torch.randn(B, T, HV, K)                     # raw gate
+    x['beta'] = 2 * torch.randn(B, T, HV)                  # logits
+    s0 = make_state(B, HV, K, V)
+    extra = dict(dt_bias=0.5 * torch.randn(HV * K))
+    if gate == 'A_log+dt_bias':
+        extra['A_log'] = torch.randn(HV)
+        opts = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    else:
+        opts = dict(use_gate_in_kernel=True, lower_bound=-3.0, use_beta_sigmoid_in_kernel=True,
+                    allow_neg_eigval=True)
+    leaves = {n: t.clone().to(KDEV).requires_grad_() for n, t in dict(x, **extra).items()}
+    o, ht = chunk_kda(**leaves, initial_state=s0.to(KDEV), output_final_state=True, chunk_size=32, **opts)
+    do, dht = torch.randn(o.shape), torch.randn(ht.shape)
+    names = list(leaves)
+    gk = torch.autograd.grad((o * do.to(KDEV)).sum() + (ht * dht.to(KDEV)).sum(), [leaves[n] for n in names])
+
+    L = {n: to64(t).requires_grad_() for n, t in dict(x, **extra).items()}
+    z = L['g'] + L['dt_bias'].view(HV, K)
+    if gate == 'A_log+dt_bias':
+        g = -L['A_log'].exp()[:, None] * F.softplus(z)
+        beta = torch.sigmoid(L['beta'])
+    else:
+        g = -3.0 * torch.sigmoid(z)
+        beta = 2 * torch.sigmoid(L['beta'])
+    ro, rht = naive_recurrent_kda(L['q'], L['k'], L['v'], g, beta, initial_state=to64(s0),
+                                  output_final_state=True)
+    rg = torch.autograd.grad((ro * to64(do)).sum() + (rht * to64(dht)).sum(), [L[n] for n in names])
+    errs = errors(o, ht, dict(zip(names, (t.cpu() for t in gk))), ro, rht, dict(zip(names, rg)))
+    assert_errs(errs, TOL, f"in-kernel gate {gate}")
+
+
+# ----------------------------------------------------------------------------------------------
+# strong decay
+# ----------------------------------------------------------------------------------------------
+
+def _cumsum_floor(x, s0, do, dht, chunk_size, cu_seqlens=None, **opts):
+    """The error the float32 in-chunk cumulative log-decay alone causes: the float64 chunk algebra
+    fed ``g'`` whose float64 prefix sums are exactly the kernel's float32 prefix sums of the
+    (clamped at -104) log-decay. Returns ``(o, ht, grads)`` of that computation."""
+    g = x['g'].float().clamp(min=-104.)
+    B, T = g.shape[:2]
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    g2 = torch.empty(g.shape, dtype=torch.float64)
+    for bos, eos in zip(bounds, bounds[1:]):
+        for s in range(bos, eos, chunk_size):
+            e = min(s + chunk_size, eos)
+            c = g[:, s:e].cumsum(1).double()
+            g2[:, s:e] = torch.diff(c, dim=1, prepend=torch.zeros_like(c[:, :1]))
+    y = dict(x, g=g2)
+    return run_ref(y, s0, do, dht, cu_seqlens=cu_seqlens,
+                   fn=lambda **kw: chunk_kda_reference(**kw, chunk_size=chunk_size), **opts)
+
+
+def _strong_gates(x, K):
+    g = x['g']
+    T = g.shape[1]
+    g[:, 3:23, :, :K // 3] = -20.          # a stretch of -20 per step on a third of the channels
+    g[:, 7, :, K // 2] = -1e3               # single big drops, followed by mild decay
+    g[:, 17, 0, K // 2 + 1] = -1e4
+    g[:, 30, 1, :] = -1e4                   # a full reset of one value head
+    if T > 50:
+        g[:, 45:60, 0, K - 4:] = -20.
+        g[:, 50, :, 2] = -1e3
+    return x
+
+
+@requires_kernels
+@pytest.mark.parametrize('chunk_size,pattern,lengths', [
+    (64, 'stretch', None), (32, 'stretch', None), (64, 'conftest', None), (32, 'stretch', [21, 43])])
+def test_strong_decay(chunk_size, pattern, lengths):
+    """Outputs and gradients stay finite and correct under -20 stretches and -1e3/-1e4 steps.
+
+    Bound: ``TOL + 2 * floor`` per quantity, ``floor`` being the error of exact (float64)
+    arithmetic on the kernel's float32 cumulative decays (``_cumsum_floor``). With mild gates the
+    floor is ~1e-7 and the bound is TOL; observed floors here reach ~1e-5 .. 4e-5 (conftest's
+    pattern: -1e4 on every other token of a quarter of the channels, i.e. the clamped -104 steps
+    push the in-chunk sum to ~-3300 where float32's ulp is 2.4e-4).
+    """
+    HV, K, V = 2, 32, 32
+    if lengths is None:
+        B, T, cu = 1, 64, None
+    else:
+        B, T, cu = 1, sum(lengths), lengths_to_cu(lengths)
+    N = B if cu is None else len(lengths)
+    x = make_inputs(B, T, 1, HV, K, V, strong_decay=(pattern == 'conftest'))
+    if pattern == 'stretch':
+        x = _strong_gates(x, K)
+    s0 = make_state(N, HV, K, V)
+    o, ht, gd, do, dht = run_chunk(x, s0, cu_seqlens=cu, chunk_size=chunk_size)
+    ro, rht, rgd = run_ref(x, s0, do, dht, cu_seqlens=cu)
+    errs = errors(o, ht, gd, ro, rht, rgd)
+    fo, fht, fgd = _cumsum_floor(x, s0, do, dht, chunk_size, cu_seqlens=cu)
+    floor = errors(fo, fht, fgd, ro, rht, rgd)
+    print(f"\nfloat32-cumsum floor: " + ' '.join(f"{n}={e:.1e}" for n, e in floor.items()))
+    assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"strong decay {pattern} BT={chunk_size}")
+
+
+# ----------------------------------------------------------------------------------------------
+# low precision
+# ----------------------------------------------------------------------------------------------
+
+def lowp_bound(err_ref: float, u: float) -> float:
+    """Bound for a kernel result in a low-precision dtype.
+
+    ``err_ref``: the error of the reference itself on the same low-precision inputs (the naive
+    recurrence computed in float32, its output rounded to the dtype: one rounding).
+    ``u``: the size of one rounding to the dtype, ``rel(ref64.to(dtype), ref64)``.
+    The kernels round every tensor-core dot operand to the input dtype by design (q*e^c, k*e^c,
+    h, Aqk, w, u, v_new, and in the backward every dot's operands): each output depends on a chain
+    of ~4-8 such roundings, which add in quadrature (sqrt(8) ~ 2.8 u) and are carried a little by the
+    recurrence. Hence ``2 * err_ref + 5 * u``. Observed (fp16, interpreter): o <= 2.8 u,
+    final state <= 2.6 u, gradients <= 3.1 u, while the reference's own error is ~1 u (o, dq, dk,
+    dv) or ~0 (float32 states, float32 g/beta gradients). A wrong mask, decay or chunk boundary
+    gives errors >= 1e-2 .. 1, far above this (fp16: ~1.5e-3, bf16: ~1.2e-2).
+    """
+    return 2 * err_ref + 5 * u
+
+
+def check_lowp(dtype, gate_dtype, B, T, H, HV, K, V, chunk_size, grads, device=KDEV, **opts):
+    x = make_inputs(B, T, H, HV, K, V, dtype=dtype, gate_dtype=gate_dtype,
+                    normalize_k=not opts.get('use_qk_l2norm_in_kernel', False))
+    s0 = make_state(B, HV, K, V)
+    o, ht, gd, do, dht = run_chunk(x, s0, grads=grads, chunk_size=chunk_size, device=device, **opts)
+    ro, rht, rgd = run_ref(x, s0, do, dht, **opts)
+    lo, lht, lgd = run_ref(x, s0, do, dht, cast=lambda t: t.detach().clone(), **opts)
+    errs = errors(o, ht, gd, ro, rht, rgd)
+    ref_errs = errors(lo, lht, {n: v.to(gd[n].dtype) for n, v in lgd.items()}, ro, rht, rgd)
+    u = rel_err(ro.to(dtype), ro)
+    print(f"\nreference's own {dtype} error: " + ' '.join(f"{n}={e:.1e}" for n, e in ref_errs.items())
+          + f" (u={u:.1e})")
+    assert_errs(errs, {n: lowp_bound(e, u) for n, e in ref_errs.items()}, f"{dtype} g:{gate_dtype}")
+    return errs
+
+
+@requires_kernels
+@pytest.mark.parametrize('dtype', [torch.float16, pytest.param(torch.bfloat16, marks=requires_bf16_kernels)])
+@pytest.mark.parametrize('gate_dtype,grads', [(None, False), (torch.float32, True)])
+def test_low_precision(dtype, gate_dtype, grads):
+    check_lowp(dtype, gate_dtype, 2, 70, 1, 2, 32, 32, chunk_size=64, grads=grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# agreement with fused_recurrent_kda
+# ----------------------------------------------------------------------------------------------
+
+@requires_kernels
+@pytest.mark.parametrize('varlen', [False, True])
+def test_agrees_with_fused_recurrent(varlen):
+    HV, K, V = 2, 32, 32
+    if varlen:
+        lengths = [0, 30, 1, 39]
+        cu = lengths_to_cu(lengths).to(KDEV)
+        B, T, N = 1, sum(lengths), len(lengths)
+    else:
+        cu, B, T, N = None, 2, 45, 2
+    x = _dev(make_inputs(B, T, 1, HV, K, V), KDEV)
+    s0 = make_state(N, HV, V, K, state_v_first=True).to(KDEV)
+    opts = dict(initial_state=s0, output_final_state=True, cu_seqlens=cu, state_v_first=True)
+    with torch.no_grad():
+        o_c, ht_c = chunk_kda(**x, chunk_size=32, **opts)
+        o_r, ht_r = fused_recurrent_kda(**x, **opts)
+    ro, rht = reference64(**_dev(x, 'cpu'), initial_state=s0.cpu(), cu_seqlens=None if cu is None else cu.cpu(),
+                          state_v_first=True)
+    errs = {'o chunk-vs-recurrent': rel_err(o_c, o_r.cpu()), 'ht chunk-vs-recurrent': rel_err(ht_c, ht_r.cpu()),
+            'o chunk': rel_err(o_c, ro), 'o recurrent': rel_err(o_r, ro),
+            'ht chunk': rel_err(ht_c, rht), 'ht recurrent': rel_err(ht_r, rht)}
+    assert_errs(errs, TOL, f"chunk vs fused_recurrent varlen={varlen}")
+
+
+# ----------------------------------------------------------------------------------------------
+# structure: causality, sequence isolation, every element written, splitting, state-only gradient
+# ----------------------------------------------------------------------------------------------
+
+@requires_kernels
+@pytest.mark.parametrize('t,chunk_size', [(20, 32), (37, 32), (40, 64)])
+@pytest.mark.parametrize('kind', ['random', 'large'])
+def test_causality(t, chunk_size, kind):
+    """Changing q, k, v, g, beta at positions > t leaves outputs at positions <= t bit-identical,
+    also when t falls inside a chunk (future gates, keys and values must not leak through the
+    in-chunk matrices, the solve or the masked tiles)."""
+    B, T, H, HV, K, V = 1, 45, 1, 2, 32, 32
+    x = make_inputs(B, T, H, HV, K, V)
+    y = make_inputs(B, T, H, HV, K, V)          # fresh values for the future
+    if kind == 'large':                          # large but finite everywhere downstream
+        y['v'] = y['v'] * 1e15
+        y['q'] = y['q'] * 1e8
+        y['g'] = torch.where(torch.rand_like(y['g']) < 0.3, torch.full_like(y['g'], -1e4), y['g'] * 30)
+        y['beta'] = torch.ones_like(y['beta'])
+    z = {n: torch.cat([x[n][:, :t + 1], y[n][:, t + 1:]], 1) for n in x}
+    s0 = make_state(B, HV, K, V)
+    with torch.no_grad():
+        o1, _ = chunk_kda(**_dev(x, KDEV), initial_state=s0.to(KDEV), chunk_size=chunk_size)
+        o2, _ = chunk_kda(**_dev(z, KDEV), initial_state=s0.to(KDEV), chunk_size=chunk_size)
+    assert torch.isfinite(o2).all()
+    assert torch.equal(o1[:, :t + 1], o2[:, :t + 1]), \
+        f"outputs at <= t changed: max diff {(o1[:, :t + 1] - o2[:, :t + 1]).abs().max()}"
+    assert not torch.equal(o1[:, t + 1:], o2[:, t + 1:])   # the perturbation was real
+
+
+@requires_kernels
+def test_sequences_are_isolated():
+    """In a varlen batch, changing one sequence's tokens leaves every other sequence's outputs and
+    final state bit-identical (no leak across cu_seqlens boundaries inside a chunk)."""
+    lengths = [13, 0, 27, 1, 29]
+    cu = lengths_to_cu(lengths)
+    HV, K, V = 2, 32, 32
+    x = make_inputs(1, sum(lengths), 1, HV, K, V)
+    s0 = make_state(len(lengths), HV, K, V)
+    n = 2
+    bos, eos = cu[n].item(), cu[n + 1].item()
+    y = {name: t.clone() for name, t in x.items()}
+    fresh = make_inputs(1, sum(lengths), 1, HV, K, V)
+    for name in y:
+        y[name][:, bos:eos] = fresh[name][:, bos:eos]
+    with torch.no_grad():
+        o1, h1 = chunk_kda(**_dev(x, KDEV), initial_state=s0.to(KDEV), output_final_state=True,
+                           cu_seqlens=cu.to(KDEV), chunk_size=32)
+        o2, h2 = chunk_kda(**_dev(y, KDEV), initial_state=s0.to(KDEV), output_final_state=True,
+                           cu_seqlens=cu.to(KDEV), chunk_size=32)
+    keep = torch.ones(sum(lengths), dtype=torch.bool)
+    keep[bos:eos] = False
+    assert torch.equal(o1[:, keep.to(o1.device)], o2[:, keep.to(o2.device)])
+    others = [i for i in range(len(lengths)) if i != n]
+    assert torch.equal(h1[others], h2[others])
+    assert not torch.equal(h1[n], h2[n])
+
+
+GUARD = 1 << 16   # elements of NaN after every poisoned allocation
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Makes every torch.empty / torch.empty_like return NaN-filled memory followed by a NaN guard
+    region (the tensor is the head of a larger NaN buffer). Returns the list of shapes allocated."""
+    real_empty = torch.empty
+    calls = []
+
+    def empty(*size, dtype=None, device=None, **kw):
+        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+            size = tuple(size[0])
+        n = math.prod(size)
+        buf = real_empty(n + GUARD, dtype=dtype, device=device, **kw)
+        if buf.is_floating_point():
+            buf.fill_(float('nan'))
+        calls.append(tuple(size))
+        return buf[:n].view(size)
+
+    def empty_like(x, dtype=None, device=None, **kw):
+        return empty(tuple(x.shape), dtype=x.dtype if dtype is None else dtype,
+                     device=x.device if device is None else device)
+
+    monkeypatch.setattr(torch, 'empty', empty)
+    monkeypatch.setattr(torch, 'empty_like', empty_like)
+    return calls
+
+
+@requires_kernels
+@pytest.mark.parametrize('lengths,chunk_size', [([0, 1, 19, 25], 32), ([5, 0, 65], 64), (None, 32)])
+def test_every_element_written(poisoned_allocations, lengths, chunk_size):
+    """The launchers allocate with torch.empty: every float allocation is poisoned with NaN and
+    followed by a NaN guard region. Outputs, final state and gradients must come out finite and
+    correct for partial chunks and varlen: every element is written, no unwritten scratch (e.g. the
+    never-stored blocks above the diagonal of the in-chunk matrices) leaks into a result, and no
+    read past the end of a buffer (the last, partial chunk) reaches a result. (In the interpreter
+    every load and store is also bounds-checked: ``bounds_checked_memory``.)"""
+    if lengths is None:
+        check_case(2, 45, 1, 2, 32, 32, chunk_size=chunk_size)
+    else:
+        check_case(1, 0, 1, 2, 32, 32, chunk_size=chunk_size, lengths=lengths)
+    assert len(poisoned_allocations) >= 10       # the poison reached the launchers' allocations
+
+
+@requires_kernels
+@pytest.mark.parametrize('T,t1,chunk_size', [(70, 37, 32), (70, 45, 64)])
+def test_split_sequence(T, t1, chunk_size):
+    """One call over [0, T) equals [0, t1) then [t1, T) with the first call's final state as the
+    second's initial state (t1 not a multiple of the chunk), for outputs and final state."""
+    B, H, HV, K, V = 2, 1, 2, 32, 32
+    x = _dev(make_inputs(B, T, H, HV, K, V), KDEV)
+    s0 = make_state(B, HV, K, V).to(KDEV)
+    with torch.no_grad():
+        o, ht = chunk_kda(**x, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
+        oa, ha = chunk_kda(**{n: t[:, :t1] for n, t in x.items()}, initial_state=s0,
+                           output_final_state=True, chunk_size=chunk_size)
+        ob, hb = chunk_kda(**{n: t[:, t1:] for n, t in x.items()}, initial_state=ha,
+                           output_final_state=True, chunk_size=chunk_size)
+    ro, rht = reference64(**_dev(x, 'cpu'), initial_state=s0.cpu())
+    errs = {'o split-vs-one': rel_err(torch.cat([oa, ob], 1), o), 'ht split-vs-one': rel_err(hb, ht),
+            'o': rel_err(o, ro), 'ht': rel_err(ht, rht), 'o split': rel_err(torch.cat([oa, ob], 1), ro)}
+    assert_errs(errs, TOL, f"split T={T} at {t1}")
+
+
+@requires_kernels
+@pytest.mark.parametrize('lengths', [None, [0, 1, 19, 25]])
+def test_gradient_through_final_state_only(lengths):
+    """loss = (ht * dht).sum(): o is unused, its gradient arrives as zeros."""
+    cu = None if lengths is None else lengths_to_cu(lengths)
+    B, T = (2, 45) if lengths is None else (1, sum(lengths))
+    N = B if lengths is None else len(lengths)
+    HV, K, V = 2, 32, 32
+    x = make_inputs(B, T, 1, HV, K, V)
+    s0 = make_state(N, HV, K, V)
+    o, ht, gd, do, dht = run_chunk(x, s0, cu_seqlens=cu, chunk_size=32, use_o=False)
+    assert do is None
+    ro, rht, rgd = run_ref(x, s0, None, dht, cu_seqlens=cu)
+    errs = errors(o, ht, gd, ro, rht, rgd)
+    assert_errs(errs, TOL, f"state-only gradient lengths={lengths}")
+
+
+# ----------------------------------------------------------------------------------------------
+# return_intermediate_states, disable_recompute, non-contiguous inputs
+# ----------------------------------------------------------------------------------------------
+
+@requires_kernels
+@pytest.mark.parametrize('state_v_first,with_h0', [(False, True), (True, True), (False, False)])
+def test_intermediate_states(state_v_first, with_h0):
+    B, T, H, HV, K, V, BT = 2, 70, 1, 2, 32, 16, 32
+    x = _dev(make_inputs(B, T, H, HV, K, V), KDEV)
+    s0 = make_state(B, HV, K, V, state_v_first=state_v_first).to(KDEV) if with_h0 else None
+    opts = dict(initial_state=s0, output_final_state=True, chunk_size=BT, state_v_first=state_v_first)
+    with torch.no_grad():
+        o, ht, h = chunk_kda(**x, return_intermediate_states=True, **opts)
+        o2, ht2 = chunk_kda(**x, **opts)
+    NT = math.ceil(T / BT)
+    assert h.shape == ((B, NT, HV, V, K) if state_v_first else (B, NT, HV, K, V))
+    assert h.dtype == torch.float32
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    h0 = s0 if with_h0 else torch.zeros_like(h[:, 0])
+    assert torch.equal(h[:, 0], h0), "chunk 0 must hold the initial state"
+    for c in range(1, NT):
+        _, ref = reference64(**{n: t[:, :c * BT].cpu() for n, t in x.items()},
+                             initial_state=None if s0 is None else s0.cpu(), state_v_first=state_v_first)
+        e = rel_err(h[:, c], ref)
+        print(f"\nchunk {c}: rel err {e:.1e}")
+        assert e < TOL, f"state entering chunk {c}: rel err {e:.3e}"
+
+
+@requires_kernels
+def test_intermediate_states_varlen():
+    lengths, BT, HV, K, V = [0, 1, 19, 40], 32, 2, 16, 32
+    cu = lengths_to_cu(lengths)
+    x = make_inputs(1, sum(lengths), 1, HV, K, V)
+    s0 = make_state(len(lengths), HV, K, V)
+    with torch.no_grad():
+        o, ht, h = chunk_kda(**_dev(x, KDEV), initial_state=s0.to(KDEV), output_final_state=True,
+                             cu_seqlens=cu.to(KDEV), chunk_size=BT, return_intermediate_states=True)
+    # chunks: sequence 1 (1 token), sequence 2 (19), sequence 3 (40: two chunks); none for the empty one
+    assert h.shape == (1, 4, HV, K, V)
+    assert torch.equal(h[0, 0], s0[1].to(h.device))
+    assert torch.equal(h[0, 1], s0[2].to(h.device))
+    assert torch.equal(h[0, 2], s0[3].to(h.device))
+    b = cu[3].item()
+    _, ref = reference64(**{n: t[:, b:b + BT] for n, t in x.items()}, initial_state=s0[3:4])
+    e = rel_err(h[0, 3], ref[0])
+    assert e < TOL, f"second chunk of sequence 3: rel err {e:.3e}"
+
+
+def test_intermediate_states_need_inference():
+    x = make_inputs(1, 8, 1, 1, 16, 16)
+    x['q'].requires_grad_()
+    with pytest.raises(ValueError, match='return_intermediate_states'):
+        chunk_kda(**x, return_intermediate_states=True)
+    s0 = make_state(1, 1, 16, 16).requires_grad_()
+    y = make_inputs(1, 8, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match='return_intermediate_states'):
+        chunk_kda(**y, initial_state=s0, return_intermediate_states=True)
+
+
+@requires_kernels
+def test_intermediate_states_allowed_under_no_grad_with_grad_leaves():
+    x = _dev(make_inputs(1, 40, 1, 1, 16, 16), KDEV)
+    x['q'].requires_grad_()
+    with torch.no_grad():
+        o, _, h = chunk_kda(**x, chunk_size=32, return_intermediate_states=True)
+    assert h.shape == (1, 2, 1, 16, 16)
+
+
+@requires_kernels
+def test_disable_recompute_same_gradients():
+    lengths = [0, 1, 19, 45]
+    cu = lengths_to_cu(lengths)
+    x = make_inputs(1, sum(lengths), 1, 2, 32, 32)
+    s0 = make_state(len(lengths), 2, 32, 32)
+    o1, h1, g1, do, dht = run_chunk(x, s0, cu_seqlens=cu, chunk_size=32)
+    o2, h2, g2, _, _ = run_chunk(x, s0, cu_seqlens=cu, chunk_size=32, do=do, dht=dht, disable_recompute=True)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    for n in g1:
+        assert torch.equal(g1[n], g2[n]), f"d{n} differs with disable_recompute=True"
+    ro, rht, rgd = run_ref(x, s0, do, dht, cu_seqlens=cu)
+    assert_errs(errors(o2, h2, g2, ro, rht, rgd), TOL, "disable_recompute")
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """A non-contiguous view (every other element of a wider last dim) holding x's values."""
+    y = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+    y[..., ::2] = x
+    return y[..., ::2]
+
+
+@requires_kernels
+def test_non_contiguous_inputs():
+    """Transposed / sliced views give exactly the result of their dense copies (outputs, final
+    state and every gradient)."""
+    B, T, H, HV, K, V = 1, 40, 2, 2, 32, 16
+    base = _dev(make_inputs(B, T, H, HV, K, V), KDEV)
+    views = dict(
+        q=base['q'].transpose(1, 2).contiguous().transpose(1, 2),                 # transposed
+        k=_strided(base['k']),                                                    # sliced
+        v=base['v'].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2),
+        g=base['g'].transpose(-1, -2).contiguous().transpose(-1, -2),
+        beta=_strided(base['beta']))
+    s0 = make_state(B, HV, K, V, state_v_first=True).to(KDEV).transpose(-1, -2)  # [B, HV, K, V] view
+    assert not any(t.is_contiguous() for t in views.values()) and not s0.is_contiguous()
+    dense = {n: t.contiguous() for n, t in views.items()}
+    o1, h1, g1, do, dht = run_chunk(views, s0, chunk_size=32)
+    o2, h2, g2, _, _ = run_chunk(dense, s0.contiguous(), chunk_size=32, do=do, dht=dht)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    for n in g1:
+        assert torch.equal(g1[n], g2[n]), f"d{n} differs for a non-contiguous input"
+    ro, rht, rgd = run_ref(dense, s0, do, dht)
+    assert_errs(errors(o1, h1, g1, ro, rht, rgd), TOL, "non-contiguous")
+
+
+# ----------------------------------------------------------------------------------------------
+# the PyTorch path (CPU without the interpreter)
+# ----------------------------------------------------------------------------------------------
+
+def test_torch_path(monkeypatch):
+    """With the kernels disabled the chunked reference algorithm serves the call (any mode)."""
+    def no_kernel(*a, **kw):
+        raise AssertionError("a kernel path ran although use_kernels() is False")
+
+    monkeypatch.setattr(chunk_mod, 'use_kernels', lambda x: False)
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_bwd', no_kernel)
+    lengths = [0, 1, 19, 25]
+    cu = lengths_to_cu(lengths)
+    x = make_inputs(1, sum(lengths), 1, 2, 32, 24)
+    s0 = make_state(len(lengths), 2, 32, 24, state_v_first=True)
+    for bt in (32, 64):
+        o, ht, gd, do, dht = run_chunk(x, s0, cu_seqlens=cu, chunk_size=bt, state_v_first=True, device='cpu')
+        ro, rht, rgd = run_ref(x, s0, do, dht, cu_seqlens=cu, state_v_first=True)
+        assert_errs(errors(o, ht, gd, ro, rht, rgd), TOL, f"torch path BT={bt}")
+    with pytest.raises(ValueError, match='return_intermediate_states'):
+        with torch.no_grad():
+            chunk_kda(**x, cu_seqlens=cu, return_intermediate_states=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation of chunk_kda's arguments (no kernel may run on bad input)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    def must_not_run(*a, **kw):
+        raise AssertionError("computation started on invalid input")
+
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', must_not_run)
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_reference', must_not_run)
+    monkeypatch.setattr(chunk_mod.ChunkKDAFunction, 'apply', must_not_run)
+
+
+@pytest.mark.parametrize('chunk_size', [16, 128, 48, 0, -64, True, 64.0, '64', None])
+def test_bad_chunk_size(no_compute, chunk_size):
+    x = make_inputs(1, 8, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match='chunk_size'):
+        chunk_kda(**x, chunk_size=chunk_size)
+
+
+def test_shared_validation(no_compute):
+    """chunk_kda validates through the same checks as fused_recurrent_kda."""
+    x = make_inputs(1, 20, 1, 2, 16, 8)
+    with pytest.raises(ValueError, match='cu_seqlens'):
+        chunk_kda(**x, cu_seqlens=make_cu_seqlens([5, 10]))                 # ends at 15, not T = 20
+    with pytest.raises(ValueError, match='cu_seqlens'):
+        chunk_kda(**x, cu_seqlens=torch.tensor([0, 12, 8, 20]))             # decreasing
+    with pytest.raises(ValueError, match='initial_state'):
+        chunk_kda(**x, cu_seqlens=make_cu_seqlens([5, 15]), initial_state=make_state(1, 2, 16, 8))
+    with pytest.raises(ValueError, match='initial_state'):
+        chunk_kda(**x, initial_state=make_state(1, 2, 16, 8), state_v_first=True, output_final_state=True)
+    y = make_inputs(2, 20, 1, 2, 16, 8)
+    with pytest.raises(ValueError, match='B = 1'):
+        chunk_kda(**y, cu_seqlens=make_cu_seqlens([5, 15]))
+    with pytest.raises(ValueError, match='HV'):
+        chunk_kda(**dict(x, v=torch.randn(1, 20, 3, 8)))
+    with pytest.raises(TypeError, match='disable_recompute'):
+        chunk_kda(**x, disable_recompute=1)
+    with pytest.raises(TypeError, match='return_intermediate_states'):
+        chunk_kda(**x, return_intermediate_states='yes')
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA at real sizes
+# ----------------------------------------------------------------------------------------------
+
+def _model_inputs(B, T, H, K, V, dtype, l2=False, device='cuda'):
+    """Model-like inputs: q, k Gaussian (unit-norm k unless l2norm runs in the kernel),
+    g = logsigmoid(x + 2) in float32 (log-decays in (-inf, 0), mostly -0.02 .. -1), beta = sigmoid(x)."""
+    q = torch.randn(B, T, H, K)
+    k = torch.randn(B, T, H, K)
+    if not l2:
+        k = k / k.norm(dim=-1, keepdim=True)
+    v = torch.randn(B, T, H, V)
+    g = F.logsigmoid(torch.randn(B, T, H, K) + 2.0)
+    beta = torch.sigmoid(torch.randn(B, T, H))
+    return dict(q=q.to(dtype).to(device), k=k.to(dtype).to(device), v=v.to(dtype).to(device),
+                g=g.float().to(device), beta=beta.to(dtype).to(device))
+
+
+def _no_grad_ref(x, h0, cu=None, l2=False, dtype=torch.float64):
+    with torch.no_grad():
+        return naive_recurrent_kda(**{n: t.to(dtype) for n, t in x.items()},
+                                   initial_state=None if h0 is None else h0.to(dtype),
+                                   output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2)
+
+
+def check_real_sizes(dtype, H, K, V, B=None, T=None, lengths=None, device='cuda'):
+    """Low-precision forward and backward at model sizes (fixed length B x T, or varlen
+    ``lengths`` with l2norm in the kernel):
+
+    * forward against the float64 oracle, bound ``lowp_bound`` from the reference's own error;
+    * the same inputs in float32 through the kernels held to 1e-4 (ieee fp32 dots, no tf32: tf32
+      alone would give errors ~5e-4);
+    * the backward finite and close to the float32 kernels' gradients (which stand in for the
+      oracle: no float64 autograd at this size; the reference's own low-precision gradient error is
+      <= ~1 u, so the bound is ``lowp_bound(u, u)``)."""
+    l2 = lengths is not None
+    if l2:
+        cu = make_cu_seqlens(lengths, device=device)
+        B, T, N = 1, sum(lengths), len(lengths)
+    else:
+        cu, N = None, B
+    x = _model_inputs(B, T, H, K, V, dtype, l2=l2, device=device)
+    h0 = (0.5 * torch.randn(N, H, K, V)).to(device)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = chunk_kda(**leaves, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                      use_qk_l2norm_in_kernel=l2)
+    ro, rht = _no_grad_ref(x, h0, cu, l2)
+    lo, lht = _no_grad_ref(x, h0, cu, l2, dtype=torch.float32)
+    u = rel_err(ro.to(dtype), ro)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert_errs({'o': rel_err(o, ro), 'ht': rel_err(ht, rht)},
+                {'o': lowp_bound(rel_err(lo.to(dtype), ro), u), 'ht': lowp_bound(rel_err(lht, rht), u)},
+                f"{dtype} model sizes lengths={lengths}")
+
+    x32 = {n: t.float().requires_grad_() for n, t in x.items()}
+    o32, ht32 = chunk_kda(**x32, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                          use_qk_l2norm_in_kernel=l2)
+    assert_errs({'o': rel_err(o32, ro), 'ht': rel_err(ht32, rht)}, 1e-4, "float32 inputs, model sizes")
+
+    do = torch.randn_like(o32)
+    dht = torch.randn_like(ht32)
+    names = list(x)
+    gl = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+    g32 = torch.autograd.grad((o32 * do).sum() + (ht32 * dht).sum(), [x32[n] for n in names])
+    gerrs = {}
+    for n, a, b in zip(names, gl, g32):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
+        gerrs['d' + n] = rel_err(a, b)
+    assert_errs(gerrs, lowp_bound(u, u), f"{dtype} gradients vs float32 kernels")
+
+
+def check_gradients_vs_float64(dtype, B, T, H, HV, K, V, device='cuda'):
+    """Gradients of every input against float64 autograd through the naive recurrence."""
+    x = _model_inputs(B, T, HV, K, V, dtype, device=device)
+    x['q'], x['k'] = x['q'][:, :, :H].contiguous(), x['k'][:, :, :H].contiguous()
+    h0 = (0.5 * torch.randn(B, HV, K, V)).to(device)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    leaves['initial_state'] = h0.clone().requires_grad_()
+    o, ht = chunk_kda(**leaves, output_final_state=True)
+    do = torch.randn_like(o, dtype=torch.float32)
+    dht = torch.randn_like(ht)
+    names = list(leaves)
+    gk = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+
+    def ref(cast):
+        L = {n: cast(t).detach().requires_grad_() for n, t in leaves.items()}
+        ro, rht = naive_recurrent_kda(**L, output_final_state=True)
+        gr = torch.autograd.grad((ro.to(rht.dtype) * cast(do)).sum() + (rht * cast(dht)).sum(),
+                                 [L[n] for n in names])
+        return ro.detach(), rht.detach(), dict(zip(names, gr))
+
+    ro, rht, rg = ref(lambda t: t.double())
+    errs = errors(o, ht, dict(zip(names, gk)), ro, rht, rg)
+    if dtype == torch.float32:
+        assert_errs(errs, 1e-4, "float32 gradients vs float64")
+        return
+    lo, lht, lg = ref(lambda t: t.clone())          # the reference on the same inputs, in float32
+    ref_errs = errors(lo, lht, {n: lg[n].to(leaves[n].dtype) for n in names}, ro, rht, rg)
+    u = rel_err(ro.to(dtype), ro)
+    assert_errs(errs, {n: lowp_bound(e, u) for n, e in ref_errs.items()}, f"{dtype} gradients vs float64")
+
+
+@requires_cuda
+def test_cuda_bf16_real_sizes():
+    """bf16, B=8, T=4096, H=16, K=V=128."""
+    check_real_sizes(torch.bfloat16, H=16, K=128, V=128, B=8, T=4096)
+
+
+@requires_cuda
+def test_cuda_bf16_varlen_real_sizes():
+    """bf16 varlen: 8 mixed lengths (8192 tokens; partial chunks, a 1-token sequence), H=16,
+    K=V=128, l2norm in the kernel."""
+    check_real_sizes(torch.bfloat16, H=16, K=128, V=128, lengths=[1, 63, 64, 65, 500, 1000, 2437, 4062])
+
+
+@requires_cuda
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_cuda_gradients(dtype):
+    """B=2, T=512, GVA (H=2 q/k heads, HV=4), K=V=128, against float64 autograd."""
+    check_gradients_vs_float64(dtype, B=2, T=512, H=2, HV=4, K=128, V=128)
