@@ -63,10 +63,13 @@ def store_tile(base, x, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr
 
 
 @triton.jit
-def load_row(base, row, row_stride, col0, n_cols, BC: tl.constexpr):
-    """One float32 row ``[BC]``."""
+def load_row(base, row, n_rows, row_stride, col0, n_cols, BC: tl.constexpr):
+    """One float32 row ``[BC]``; zero when ``row >= n_rows`` (nothing past the tile is read)."""
     o_c = col0 + tl.arange(0, BC)
-    return tl.load(base + row * row_stride + o_c, mask=o_c < n_cols, other=0.).to(tl.float32)
+    # The row test folds into the column bound: the interpreter rejects a block mask combined
+    # with a scalar one.
+    m = o_c < tl.where(row < n_rows, n_cols, 0)
+    return tl.load(base + row * row_stride + o_c, mask=m, other=0.).to(tl.float32)
 
 
 @triton.jit

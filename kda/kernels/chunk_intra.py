@@ -21,11 +21,11 @@ from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_nonpos, l
 
 
 @triton.jit
-def intra_block_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i: tl.constexpr,
-                         i_j: tl.constexpr, L, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr):
+def intra_offdiag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i: tl.constexpr,
+                           i_j: tl.constexpr, L, K: tl.constexpr, BC: tl.constexpr,
+                           BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """``(Q_I K_J^T, K_I K_J^T)`` with the decay ``exp(c_i - c_j)`` folded in, for sub-blocks
-    ``I = i_i`` and ``J = i_j <= I`` (rows ``I*BC..``); entries above the diagonal are garbage."""
+    ``J = i_j < I = i_i``, through the last row ``r`` of block J: ``exp(c_i - r) exp(r - c_j)``."""
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -34,19 +34,34 @@ def intra_block_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i: tl.
         b_kj = load_tile(k_base, i_j * BC, L, qk_stride, i_k * BK, K, BC, BK)
         b_ci = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
         b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
-        if i_j < i_i:
-            # Clamped to the chunk: blocks past its end read no row beyond the buffer.
-            b_r = load_row(gc_base, tl.minimum(i_j * BC + BC - 1, L - 1), gc_stride, i_k * BK, K, BK)
-            b_ei = exp_nonpos(b_ci - b_r[None, :])
-            b_kj = b_kj * exp_nonpos(b_r[None, :] - b_cj)
-            b_kjt = tl.trans(b_kj)
-            b_qk += mm(b_qi * b_ei, b_kjt, DOT_DTYPE)
-            b_kk += mm(b_ki * b_ei, b_kjt, DOT_DTYPE)
-        else:
-            b_e = exp_nonpos(b_ci[:, None, :] - b_cj[None, :, :])
-            b_kje = b_kj[None, :, :] * b_e
-            b_qk += tl.sum(b_qi[:, None, :] * b_kje, axis=2)
-            b_kk += tl.sum(b_ki[:, None, :] * b_kje, axis=2)
+        b_r = load_row(gc_base, i_j * BC + BC - 1, L, gc_stride, i_k * BK, K, BK)
+        b_ei = exp_nonpos(b_ci - b_r[None, :])
+        b_kjt = tl.trans(b_kj * exp_nonpos(b_r[None, :] - b_cj))
+        b_qk += mm(b_qi * b_ei, b_kjt, DOT_DTYPE)
+        b_kk += mm(b_ki * b_ei, b_kjt, DOT_DTYPE)
+    return b_qk, b_kk
+
+
+@triton.jit
+def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i: tl.constexpr, L,
+                        K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """The same for the diagonal block ``I = J``, where no reference row keeps both factors <= 1:
+    one column j at a time, ``exp(c_i - c_j)`` element by element (entries j > i are garbage).
+    Column by column keeps every tile 2-D; a ``[BC, BC, BK]`` broadcast spilled registers."""
+    o_c = tl.arange(0, BC)
+    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+        b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+        b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
+        for j in range(BC):
+            b_kj = load_row(k_base, i_i * BC + j, L, qk_stride, i_k * BK, K, BK)
+            b_cj = load_row(gc_base, i_i * BC + j, L, gc_stride, i_k * BK, K, BK)
+            b_kje = b_kj[None, :] * exp_nonpos(b_c - b_cj[None, :])
+            m_j = o_c[None, :] == j
+            b_qk += tl.where(m_j, tl.sum(b_q * b_kje, axis=1)[:, None], 0.)
+            b_kk += tl.where(m_j, tl.sum(b_k * b_kje, axis=1)[:, None], 0.)
     return b_qk, b_kk
 
 
@@ -99,8 +114,12 @@ def chunk_intra_fwd_kernel(
     o_c = tl.arange(0, BC)
     for i_i in tl.static_range(BT // BC):
         for i_j in tl.static_range(i_i + 1):
-            b_qk, b_kk = intra_block_products(q_base, k_base, H * K, gc_base, HV * K, i_i, i_j, L,
-                                              K, BC, BK, DOT_DTYPE)
+            if i_j < i_i:
+                b_qk, b_kk = intra_offdiag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, i_j,
+                                                    L, K, BC, BK, DOT_DTYPE)
+            else:
+                b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K,
+                                                 BC, BK)
             if i_j == i_i:
                 b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
                 b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)

@@ -52,7 +52,7 @@ def chunk_state_bwd_kernel(
         b_A = load_tile(Aqk + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
         b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.)
         b_c = load_tile(gc + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, HV * K, 0, K, BK)
+        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
         b_k = load_tile(k + row0 * H * K + i_h * K, 0, n, H * K, 0, K, BT, BK)
         b_kbar = b_k * exp_nonpos(b_last[None, :] - b_c)
         b_ddv = mm(tl.trans(b_A), b_do, DOT_DTYPE) + mm(b_kbar, b_dh, DOT_DTYPE)

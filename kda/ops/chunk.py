@@ -20,6 +20,7 @@ from kda.kernels.chunk_output import chunk_output_fwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import activate_beta, activate_gate
+from kda.ops.l2norm import l2norm
 from kda.ops.utils import contiguous, next_pow2, use_kernels
 from kda.ops.validation import (validate_activations, validate_chunk_size, validate_inputs)
 from kda.reference import chunk_kda_reference
@@ -62,10 +63,13 @@ def state_strides(K: int, V: int, state_v_first: bool) -> tuple[int, int]:
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                  cu_seqlens, layout: ChunkLayout, need_output: bool = True):
+                  cu_seqlens, layout: ChunkLayout, need_output: bool = True,
+                  chunk_state_dtype: torch.dtype | None = None):
     """Runs the three forward stages (the third only with ``need_output``). Returns
     ``(o, final_state, intermediates)`` where the intermediates are
-    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``."""
+    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``. The per-chunk states ``h`` are kept in
+    ``chunk_state_dtype`` (default: the input dtype, which is what every later product rounds
+    them to anyway; float32 for states handed to the user)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -84,13 +88,13 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         BC=BC, BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), **common)
 
     BKS = next_pow2(K)
-    # The state slice lives in registers: [K, BV] float32. 128 x 64 is 64 registers a thread at
-    # 4 warps; at K = 256 halve BV to keep that.
-    BVS = min(next_pow2(V), 64 if BKS <= 128 else 32)
+    # The state slice lives in registers: [K, 32] float32. 32 value columns (not 64) double the
+    # programs of this sequential stage: 512 at (B, H) = (8, 16), K = V = 128, on 132 SMs.
+    BVS = min(next_pow2(V), 32)
     # At K = 256 the pipelined chunk loop asked for 273 KiB of shared memory (limit 227 KiB on
     # the H200); one stage fits.
     state_stages = 1 if BKS > 128 else 2
-    h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev)
+    h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     final_state = None
     if output_final_state:
@@ -130,7 +134,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     gc, Aqk, Akk, Minv, w, u, h, v_new = saved
 
     BKS = next_pow2(K)
-    BVS = min(next_pow2(V), 64 if BKS <= 128 else 32)
+    BVS = min(next_pow2(V), 32)
     dh = torch.empty_like(h)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
@@ -151,7 +155,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     chunk_intra_bwd_kernel[(layout.total, HV)](
         q, k, v, g, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
         dq, dk, dv, dbeta, dg, dAqk, dAkk, cu_seqlens, layout.indices, scale, T, layout.NT,
-        BC=BC, BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), **common)
+        BC=BC, BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), num_warps=8, **common)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
@@ -180,11 +184,6 @@ class ChunkKDAFunction(torch.autograd.Function):
             do.contiguous(), None if dht is None else dht.contiguous(), ctx.saved_intermediates)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 None, dh0, None, None, None, None, None)
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 def chunk_kda(
@@ -249,12 +248,13 @@ def chunk_kda(
         return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, q.device)
     if return_intermediate_states:
         o, final_state, saved = chunk_kda_fwd(q, k, v, g, beta, problem.scale, initial_state,
-                                              output_final_state, state_v_first, cu_seqlens, layout)
+                                              output_final_state, state_v_first, cu_seqlens, layout,
+                                              chunk_state_dtype=torch.float32)
         h = saved[6]
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return o, final_state, (h.transpose(-1, -2) if state_v_first else h)

@@ -1,0 +1,32 @@
+"""Row-wise L2 normalization of q and k (``use_qk_l2norm_in_kernel``), one pass each way.
+
+    y = x * r,   r = (sum_d x_d^2 + 1e-6)^(-1/2)
+    dx = r * (dy - y * sum_d(dy_d y_d))
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def l2norm_fwd_kernel(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
+    p = o_r[:, None] * D + o_d[None, :]
+    b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
+    tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + o_r, b_r, mask=o_r < n_rows)
+
+
+@triton.jit
+def l2norm_bwd_kernel(x, rstd, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
+    p = o_r[:, None] * D + o_d[None, :]
+    b_r = tl.load(rstd + o_r, mask=o_r < n_rows, other=0.)
+    b_y = tl.load(x + p, mask=m, other=0.).to(tl.float32) * b_r[:, None]
+    b_dy = tl.load(dy + p, mask=m, other=0.).to(tl.float32)
+    b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, axis=1)[:, None])
+    tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
