@@ -53,10 +53,11 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X: tl.constexpr, b_cX, i
         b_kj = load_row(k_base, X * BC + j, L, QK_STRIDE, i_k * BK, K, BK)
         b_cj = load_row(gc_base, X * BC + j, L, GC_STRIDE, i_k * BK, K, BK)
         b_kje = b_kj[None, :] * exp_nonpos(b_cX - b_cj[None, :])
-        b_p1 = load_col(dP1_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_p2 = load_col(dP2_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_d1 += b_p1[:, None] * b_kje
-        b_d2 += b_p2[:, None] * b_kje
+        # (New names: a loop-carried variable may not change shape from the blocks above.)
+        b_dp1 = load_col(dP1_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
+        b_dp2 = load_col(dP2_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
+        b_d1 += b_dp1[:, None] * b_kje
+        b_d2 += b_dp2[:, None] * b_kje
     return b_d1, b_d2
 
 
@@ -84,10 +85,10 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X: tl.constexpr,
     for j in range(BC):
         b_cj = load_row(gc_base, X * BC + j, L, GC_STRIDE, i_k * BK, K, BK)
         b_e = exp_nonpos(b_cX - b_cj[None, :])
-        b_p1 = load_col(dP1_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_p2 = load_col(dP2_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_s = tl.sum((b_p1[:, None] * b_q + b_p2[:, None] * b_k) * b_e, axis=0)
-        b_d += tl.where(o_c[:, None] == j, b_s[None, :], 0.)
+        b_dp1 = load_col(dP1_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
+        b_dp2 = load_col(dP2_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
+        b_sj = tl.sum((b_dp1[:, None] * b_q + b_dp2[:, None] * b_k) * b_e, axis=0)
+        b_d += tl.where(o_c[:, None] == j, b_sj[None, :], 0.)
     return b_d
 
 
