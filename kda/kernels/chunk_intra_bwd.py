@@ -31,14 +31,14 @@ def load_col(base, col, n_rows, row_stride, BR: tl.constexpr):
 
 
 @triton.jit
-def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X: tl.constexpr, b_cX, i_k, L,
+def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
                    P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
                    BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Row side of sub-block X: ``sum_{J <= X} dP[X, J] (k_J * exp(c_X - c_J))`` for both
     pair matrices (their column partner is k in both)."""
     b_d1 = tl.zeros([BC, BK], dtype=tl.float32)
     b_d2 = tl.zeros([BC, BK], dtype=tl.float32)
-    for J in tl.static_range(X):
+    for J in range(X):
         b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, J * BC, L, BC, BC)
         b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, J * BC, L, BC, BC)
         b_kJ = load_tile(k_base, J * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
@@ -62,14 +62,14 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X: tl.constexpr, b_cX, i
 
 
 @triton.jit
-def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X: tl.constexpr, b_cX, i_k, L,
+def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
                    P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
                    NC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Column side of sub-block X: ``sum_{I >= X} dP[I, X]^T (a_I * exp(c_I - c_X))`` with a = q
     for Aqk and a = k for A', summed."""
     o_c = tl.arange(0, BC)
     b_d = tl.zeros([BC, BK], dtype=tl.float32)
-    for I in tl.static_range(X + 1, NC):
+    for I in range(X + 1, NC):
         b_p1 = load_tile(dP1_base, I * BC, L, P_STRIDE, X * BC, L, BC, BC)
         b_p2 = load_tile(dP2_base, I * BC, L, P_STRIDE, X * BC, L, BC, BC)
         b_qI = load_tile(q_base, I * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
@@ -126,7 +126,6 @@ def chunk_intra_bwd_kernel(
     b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
     b_M = load_tile(Minv + P_off, 0, L, HV * BT, 0, BT, BT, BT)
     b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
-    b_Mt = tl.trans(b_M)
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
@@ -138,11 +137,15 @@ def chunk_intra_bwd_kernel(
         b_dvn = load_tile(dvn_base, 0, L, HV * V, i_v * BV, V, BT, BV)
         b_v = load_tile(v_base, 0, L, HV * V, i_v * BV, V, BT, BV)
         b_dAqk += mm(b_do, tl.trans(b_vn), DOT_DTYPE)
-        b_xu = mm(b_Mt, b_dvn, DOT_DTYPE)
+        b_xu = mm(tl.trans(b_M), b_dvn, DOT_DTYPE)
         store_tile(dv_base, b_xu * b_beta[:, None], 0, L, HV * V, i_v * BV, V, BT, BV)
         b_db += tl.sum(b_xu * b_v, axis=1)
         b_U = mm(b_M, b_v * b_beta[:, None], DOT_DTYPE)
         b_dA -= mm(b_xu, tl.trans(b_U), DOT_DTYPE)
+
+    # Done with dAqk: to scratch now, so it holds no registers through the key side.
+    b_dAqk = tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.)
+    store_tile(dAqk + P_off, b_dAqk, 0, L, HV * BT, 0, BT, BT, BT)
 
     # Key side, one K-slice at a time: the state terms, the W part of dA, and dq, dk, dc so far.
     for i_k in range(tl.cdiv(K, BK)):
@@ -167,7 +170,7 @@ def chunk_intra_bwd_kernel(
         b_e = exp_nonpos(b_c)
         b_ebar = exp_nonpos(b_last[None, :] - b_c)
         b_kt = b_k * b_e
-        b_xw = mm(b_Mt, b_dw, DOT_DTYPE)
+        b_xw = mm(tl.trans(b_M), b_dw, DOT_DTYPE)
         b_W = mm(b_M, b_kt * b_beta[:, None], DOT_DTYPE)
         b_dA -= mm(b_xw, tl.trans(b_W), DOT_DTYPE)
         b_dkt = b_xw * b_beta[:, None]
@@ -186,13 +189,12 @@ def chunk_intra_bwd_kernel(
     b_dA = tl.where(m_strict, b_dA, 0.)
     b_db += tl.sum(tl.where(m_strict, b_dA * b_Akk, 0.), axis=1)
     tl.store(dbeta + (start + o_t) * HV + i_hv, b_db, mask=o_t < L)
-    b_dAqk = tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.)
-    store_tile(dAqk + P_off, b_dAqk, 0, L, HV * BT, 0, BT, BT, BT)
     store_tile(dAkk + P_off, b_dA * b_beta[:, None], 0, L, HV * BT, 0, BT, BT, BT)
     tl.debug_barrier()
 
+    # Run-time loops over the sub-blocks (as in the forward, unrolling them raised spills).
     NC: tl.constexpr = BT // BC
-    for X in tl.static_range(NC):
+    for X in range(NC):
         for i_k in range(tl.cdiv(K, BK)):
             b_qX = load_tile(q_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
             b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
