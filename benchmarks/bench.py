@@ -217,7 +217,11 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def _chunk_inputs(B, T, H, lengths=None, device='cuda', seed=0):
+def _chunk_inputs(B, T, H, lengths=None, device='cuda', seed=0, gate=False):
+    """bf16 inputs, K = V = 128, q/k L2-normalized in the kernel. ``gate=False``: g pre-computed in
+    float32, beta post-sigmoid. ``gate=True``: the Kimi Linear configuration of FLA's KDA layer:
+    raw bf16 gate with A_log, dt_bias and the lower-bound gate (safe_gate, lower_bound=-5), and
+    beta as logits (use_beta_sigmoid_in_kernel)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     K = V = HEAD_DIM
     bf = torch.bfloat16
@@ -234,6 +238,12 @@ def _chunk_inputs(B, T, H, lengths=None, device='cuda', seed=0):
         beta=torch.sigmoid(rnd(B, T, H)).to(bf),
     )
     opts = dict(use_qk_l2norm_in_kernel=True)
+    if gate:
+        inp['g'] = rnd(B, T, H, K, dtype=bf)
+        inp['beta'] = rnd(B, T, H, dtype=bf)
+        opts.update(use_gate_in_kernel=True, A_log=torch.log(torch.rand(H, generator=gen, device=device) * 15 + 1),
+                    dt_bias=rnd(H * K) * 0.1, safe_gate=True, lower_bound=-5.0,
+                    use_beta_sigmoid_in_kernel=True)
     if lengths is not None:
         cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
         opts['cu_seqlens'] = cu.to(device)
@@ -249,9 +259,9 @@ def _peak_gib(fn):
     return torch.cuda.max_memory_allocated() / 2 ** 30
 
 
-def _chunk_case(B, T, H, lengths, impls, bench, backward):
+def _chunk_case(B, T, H, lengths, impls, bench, backward, gate=False):
     """One chunk shape: {impl: (ms or error, peak GiB)}, and ||o_ours - o_FLA|| / ||o_FLA||."""
-    inp, opts = _chunk_inputs(B, T, H, lengths)
+    inp, opts = _chunk_inputs(B, T, H, lengths, gate=gate)
     res = {}
     for name, fn in impls.items():
         if fn is None:
@@ -298,7 +308,7 @@ def _chunk_case(B, T, H, lengths, impls, bench, backward):
     return res, diff
 
 
-def _chunk_table(impls, bench, quick, backward):
+def _chunk_table(impls, bench, quick, backward, gate=False):
     shapes = FWDBWD_SHAPES if backward else CHUNK_SHAPES
     cases = [(f"({B}, {T}, {H})", B, T, H, None) for B, T, H in shapes]
     if not backward:
@@ -309,7 +319,7 @@ def _chunk_table(impls, bench, quick, backward):
     rows = []
     for label, B, T, H, lengths in cases:
         t0 = time.time()
-        res, diff = _chunk_case(B, T, H, lengths, impls, bench, backward)
+        res, diff = _chunk_case(B, T, H, lengths, impls, bench, backward, gate)
         byte_ms, flop_ms = chunk_floor(B * T, H, backward=backward)
         floor = max(byte_ms, flop_ms)
         ours, fla = res['ours'][0], res['FLA'][0]
@@ -489,9 +499,20 @@ def gpu_main(args):
     print(header, flush=True)
 
     chunk_impls = {'ours': chunk, 'FLA': getattr(fla_mod, 'chunk_kda', None) if fla_mod else None}
+    # Clocks idle at 345 MHz: a few hundred milliseconds of matrix products first, so that the
+    # first timed case is not measured while they ramp up (seen: B = 1 decode first, 3x slow).
+    a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)
+    t_end = time.time() + 0.5
+    while time.time() < t_end:
+        a @ a
+    torch.cuda.synchronize()
     parts = [
         ('## chunk_kda forward (inference mode), ms', lambda: _chunk_table(chunk_impls, bench, args.quick, False)),
+        ('## chunk_kda forward (inference mode), Kimi Linear gate config, ms',
+         lambda: _chunk_table(chunk_impls, bench, args.quick, False, gate=True)),
         ('## chunk_kda forward + backward, ms', lambda: _chunk_table(chunk_impls, bench, args.quick, True)),
+        ('## chunk_kda forward + backward, Kimi Linear gate config, ms',
+         lambda: _chunk_table(chunk_impls, bench, args.quick, True, gate=True)),
         (f'## fused_recurrent_kda decode step (T = 1, H = {DECODE_H}, K = V = 128, float32 state), us',
          lambda: _decode_table(fused, fla_mod, bench, args.quick)),
         ('## forward throughput, B * T = 32768, H = 32', lambda: _throughput(chunk_impls, bench, args.quick, out_dir)),

@@ -43,6 +43,19 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, IS_VA
 
 
 @triton.jit
+def state_tile(i_n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, stride_sk,
+               stride_sv, BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets and mask of the ``[BK, BV]`` slice (value columns ``i_v*BV..``) of state
+    ``[i_n, i_hv]`` in a ``[N, HV, K, V]`` tensor stored key-major (strides V, 1) or value-major
+    (strides 1, K)."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    base = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    offsets = base + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
+    return offsets, (o_k < K)[:, None] & (o_v < V)[None, :]
+
+
+@triton.jit
 def load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
     """float32 ``[BR, BC]`` tile of rows ``row0..`` and columns ``col0..``; zero outside
     ``n_rows`` x ``n_cols``."""

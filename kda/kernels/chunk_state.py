@@ -12,7 +12,8 @@ sequence's chunks; the state stays in registers in float32.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import exp_nonpos, load_row, load_tile, mm, sequence_span, store_tile
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
+                                      store_tile)
 
 
 @triton.jit
@@ -32,14 +33,10 @@ def chunk_state_fwd_kernel(
     i_h = i_hv // (HV // H)
     bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
-    o_s = o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
-    s_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    o_s, m_s = state_tile(i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        b_h += tl.load(h0 + s_base + o_s, mask=m_s, other=0.).to(tl.float32)
+        b_h += tl.load(h0 + o_s, mask=m_s, other=0.).to(tl.float32)
 
     for i_t in range(tl.cdiv(L, BT)):
         row0 = bos + i_t * BT
@@ -56,4 +53,4 @@ def chunk_state_fwd_kernel(
         b_h = b_h * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_kbar), b_d, DOT_DTYPE)
 
     if STORE_FINAL_STATE:
-        tl.store(ht + s_base + o_s, b_h, mask=m_s)
+        tl.store(ht + o_s, b_h, mask=m_s)

@@ -13,7 +13,8 @@ The last ``dS`` is the gradient of the initial state.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import exp_nonpos, load_row, load_tile, mm, sequence_span, store_tile
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
+                                      store_tile)
 
 
 @triton.jit
@@ -34,14 +35,10 @@ def chunk_state_bwd_kernel(
     bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
 
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
-    o_s = o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
-    s_base = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    o_s, m_s = state_tile(i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
-        b_dh += tl.load(dht + s_base + o_s, mask=m_s, other=0.).to(tl.float32)
+        b_dh += tl.load(dht + o_s, mask=m_s, other=0.).to(tl.float32)
 
     for i_r in range(tl.cdiv(L, BT)):
         i_t = tl.cdiv(L, BT) - 1 - i_r
@@ -64,4 +61,4 @@ def chunk_state_bwd_kernel(
                 - mm(tl.trans(b_w), b_ddv, DOT_DTYPE))
 
     if STORE_INITIAL_STATE_GRADIENT:
-        tl.store(dh0 + s_base + o_s, b_dh, mask=m_s)
+        tl.store(dh0 + o_s, b_dh, mask=m_s)
