@@ -56,6 +56,15 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None, device)
     return ChunkLayout(BT, 0, len(pairs), indices, offsets)
 
 
+def state_blocks(K: int, V: int) -> dict:
+    """Block sizes of the sequential state stages. The state slice ``[K, 32]`` float32 lives in
+    registers; 32 value columns (not 64) double the programs of these stages (512 at
+    (B, H) = (8, 16), K = V = 128, on 132 SMs). At K = 256 the pipelined chunk loop asked for
+    273 KiB of shared memory (limit 227 KiB on the H200); one stage fits."""
+    BK = next_pow2(K)
+    return dict(BK=BK, BV=min(next_pow2(V), 32), num_stages=1 if BK > 128 else 2)
+
+
 def state_strides(K: int, V: int, state_v_first: bool) -> tuple[int, int]:
     """Element strides (between key rows, between value columns) of a ``[K, V]`` state stored as
     ``[K, V]`` or, value-major, ``[V, K]``."""
@@ -88,24 +97,18 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         # 8 warps: no spills, where 4 warps spilled 88 B a thread (ptxas -v, sm_90a).
         BC=BC, BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), num_warps=8, **common)
 
-    BKS = next_pow2(K)
-    # The state slice lives in registers: [K, 32] float32. 32 value columns (not 64) double the
-    # programs of this sequential stage: 512 at (B, H) = (8, 16), K = V = 128, on 132 SMs.
-    BVS = min(next_pow2(V), 32)
-    # At K = 256 the pipelined chunk loop asked for 273 KiB of shared memory (limit 227 KiB on
-    # the H200); one stage fits.
-    state_stages = 1 if BKS > 128 else 2
+    blocks = state_blocks(K, V)
     h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     final_state = None
     if output_final_state:
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         final_state = torch.empty(shape, dtype=torch.float32, device=dev)
-    chunk_state_fwd_kernel[(triton.cdiv(V, BVS), N * HV)](
+    chunk_state_fwd_kernel[(triton.cdiv(V, blocks['BV']), N * HV)](
         k, w, u, gc, h, v_new, initial_state, final_state, cu_seqlens, layout.offsets, T, layout.NT,
-        *state_strides(K, V, state_v_first), BK=BKS, BV=BVS,
+        *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        num_stages=state_stages, **common)
+        **blocks, **common)
 
     intermediates = (gc, Aqk, Akk, Minv, w, u, h, v_new)
     if not need_output:
@@ -134,16 +137,15 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
                                     cu_seqlens, layout, need_output=False)
     gc, Aqk, Akk, Minv, w, u, h, v_new = saved
 
-    BKS = next_pow2(K)
-    BVS = min(next_pow2(V), 32)
+    blocks = state_blocks(K, V)
     dh = torch.empty_like(h)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunk_state_bwd_kernel[(triton.cdiv(V, BVS), N * HV)](
+    chunk_state_bwd_kernel[(triton.cdiv(V, blocks['BV']), N * HV)](
         q, k, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, scale, T, layout.NT,
-        *state_strides(K, V, state_v_first), BK=BKS, BV=BVS,
+        *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
-        num_stages=1 if BKS > 128 else 2, **common)
+        **blocks, **common)
 
     dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
@@ -235,8 +237,9 @@ def chunk_kda(
                     ('return_intermediate_states', return_intermediate_states)):
         if not isinstance(x, bool):
             raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
-    if return_intermediate_states and torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    if return_intermediate_states and needs_grad:
         raise ValueError("return_intermediate_states=True is for inference only; call it under "
                          "torch.no_grad() or with inputs that do not require grad")
 
@@ -254,10 +257,13 @@ def chunk_kda(
         q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, q.device)
-    if return_intermediate_states:
-        o, final_state, saved = chunk_kda_fwd(q, k, v, g, beta, problem.scale, initial_state,
-                                              output_final_state, state_v_first, cu_seqlens, layout,
-                                              chunk_state_dtype=torch.float32)
+    if return_intermediate_states or not needs_grad:
+        # Inference: nothing is kept for a backward. States handed to the user stay float32.
+        o, final_state, saved = chunk_kda_fwd(
+            q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
+            cu_seqlens, layout, chunk_state_dtype=torch.float32 if return_intermediate_states else None)
+        if not return_intermediate_states:
+            return o, final_state
         h = saved[6]
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
