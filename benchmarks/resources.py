@@ -27,9 +27,9 @@ def sig_for(fn, ptr_types, constexprs, ints=(), floats=(), nones=()):
     cx = dict(constexprs); cx.update({n: None for n in nones})
     return sig, cx
 
-def report(fn, sig, cx, num_warps=4, num_stages=3, label=''):
+def report(fn, sig, cx, num_warps=4, num_stages=3, label='', maxnreg=None):
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()})
-    k = triton.compile(src, target=GPUTarget('cuda', 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    k = triton.compile(src, target=GPUTarget('cuda', 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages, **({'maxnreg': maxnreg} if maxnreg else {})))
     ptx = k.asm['ptx']
     ptxas = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/ptxas-blackwell')
     with tempfile.NamedTemporaryFile('w', suffix='.ptx', delete=False) as f:

@@ -44,24 +44,20 @@ def intra_offdiag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, i
 
 @triton.jit
 def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K: tl.constexpr,
-                        BC: tl.constexpr, BK: tl.constexpr):
+                        BC: tl.constexpr, BKD: tl.constexpr):
     """The same for the diagonal block ``I = J``, where no reference row keeps both factors <= 1:
-    one column j at a time, ``exp(c_i - c_j)`` element by element (entries j > i are garbage).
-    Column by column keeps every tile 2-D; a ``[BC, BC, BK]`` broadcast spilled registers."""
-    o_c = tl.arange(0, BC)
+    ``exp(c_i - c_j)`` element by element as a ``[BC, BC, BKD]`` block per ``BKD`` key channels
+    (entries j > i are garbage). Narrow slices keep the block small (BKD = 64 spilled registers);
+    a column-at-a-time loop instead made BC dependent steps of row loads per slice."""
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-        b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-        b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
-        for j in range(BC):
-            b_kj = load_row(k_base, i_i * BC + j, L, qk_stride, i_k * BK, K, BK)
-            b_cj = load_row(gc_base, i_i * BC + j, L, gc_stride, i_k * BK, K, BK)
-            b_kje = b_kj[None, :] * exp_nonpos(b_c - b_cj[None, :])
-            m_j = o_c[None, :] == j
-            b_qk += tl.where(m_j, tl.sum(b_q * b_kje, axis=1)[:, None], 0.)
-            b_kk += tl.where(m_j, tl.sum(b_k * b_kje, axis=1)[:, None], 0.)
+    for i_k in range(tl.cdiv(K, BKD)):
+        b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
+        b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
+        b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BKD, K, BC, BKD)
+        b_kje = b_k[None, :, :] * exp_nonpos(b_c[:, None, :] - b_c[None, :, :])
+        b_qk += tl.sum(b_q[:, None, :] * b_kje, axis=2)
+        b_kk += tl.sum(b_k[:, None, :] * b_kje, axis=2)
     return b_qk, b_kk
 
 
@@ -115,7 +111,7 @@ def chunk_intra_fwd_kernel(
     # at once and spill 672 B a thread (ptxas -v, sm_90a); as loops nothing spills.
     o_c = tl.arange(0, BC)
     for i_i in range(BT // BC):
-        b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K, BC, BK)
+        b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K, BC, 16)
         b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
         b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
         store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)

@@ -24,13 +24,6 @@ from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, exp_nonpos, l
 
 
 @triton.jit
-def load_col(base, col, n_rows, row_stride, BR: tl.constexpr):
-    """Column ``col`` of the first ``BR`` rows, zero past ``n_rows``."""
-    o_r = tl.arange(0, BR)
-    return tl.load(base + o_r * row_stride + col, mask=o_r < n_rows, other=0.).to(tl.float32)
-
-
-@triton.jit
 def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
                    P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
                    BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -48,16 +41,13 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_eX = exp_nonpos(b_cX - b_r[None, :])
         b_d1 += mm(b_p1, b_kJ, DOT_DTYPE) * b_eX
         b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
-    # Diagonal block, one column j at a time (2-D tiles only, as in the forward).
-    for j in range(BC):
-        b_kj = load_row(k_base, X * BC + j, L, QK_STRIDE, i_k * BK, K, BK)
-        b_cj = load_row(gc_base, X * BC + j, L, GC_STRIDE, i_k * BK, K, BK)
-        b_kje = b_kj[None, :] * exp_nonpos(b_cX - b_cj[None, :])
-        # (New names: a loop-carried variable may not change shape from the blocks above.)
-        b_dp1 = load_col(dP1_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_dp2 = load_col(dP2_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_d1 += b_dp1[:, None] * b_kje
-        b_d2 += b_dp2[:, None] * b_kje
+    # Diagonal block: exp(c_i - c_j) element by element, as a [BC, BC, BK] block.
+    b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
+    b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
+    b_kX = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
+    b_ke = b_kX[None, :, :] * exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
+    b_d1 += tl.sum(b_p1[:, :, None] * b_ke, axis=1)
+    b_d2 += tl.sum(b_p2[:, :, None] * b_ke, axis=1)
     return b_d1, b_d2
 
 
@@ -67,7 +57,6 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
                    NC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Column side of sub-block X: ``sum_{I >= X} dP[I, X]^T (a_I * exp(c_I - c_X))`` with a = q
     for Aqk and a = k for A', summed."""
-    o_c = tl.arange(0, BC)
     b_d = tl.zeros([BC, BK], dtype=tl.float32)
     for I in range(X + 1, NC):
         b_p1 = load_tile(dP1_base, I * BC, L, P_STRIDE, X * BC, L, BC, BC)
@@ -80,15 +69,12 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
         b_s = mm(tl.trans(b_p1), b_qI * b_eI, DOT_DTYPE) + mm(tl.trans(b_p2), b_kI * b_eI, DOT_DTYPE)
         b_d += b_s * exp_nonpos(b_r[None, :] - b_cX)
     # Diagonal block: row j of the result sums over the rows i >= j of block X.
+    b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
+    b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_q = load_tile(q_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
     b_k = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    for j in range(BC):
-        b_cj = load_row(gc_base, X * BC + j, L, GC_STRIDE, i_k * BK, K, BK)
-        b_e = exp_nonpos(b_cX - b_cj[None, :])
-        b_dp1 = load_col(dP1_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_dp2 = load_col(dP2_base + X * BC * P_STRIDE, X * BC + j, L - X * BC, P_STRIDE, BC)
-        b_sj = tl.sum((b_dp1[:, None] * b_q + b_dp2[:, None] * b_k) * b_e, axis=0)
-        b_d += tl.where(o_c[:, None] == j, b_sj[None, :], 0.)
+    b_e = exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
+    b_d += tl.sum((b_p1[:, :, None] * b_q[:, None, :] + b_p2[:, :, None] * b_k[:, None, :]) * b_e, axis=0)
     return b_d
 
 
