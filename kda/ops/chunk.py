@@ -21,7 +21,7 @@ from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.l2norm import l2norm
-from kda.ops.utils import contiguous, next_pow2, use_kernels
+from kda.ops.utils import cdiv, contiguous, next_pow2, use_kernels
 from kda.ops.validation import (validate_activations, validate_chunk_size, validate_inputs)
 from kda.reference import chunk_kda_reference
 
@@ -44,9 +44,9 @@ class ChunkLayout:
 
 def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None, device) -> ChunkLayout:
     if seq_offsets is None:
-        NT = triton.cdiv(T, BT)
+        NT = cdiv(T, BT)
         return ChunkLayout(BT, NT, B * NT, None, None)
-    counts = [triton.cdiv(e - s, BT) for s, e in zip(seq_offsets, seq_offsets[1:])]
+    counts = [cdiv(e - s, BT) for s, e in zip(seq_offsets, seq_offsets[1:])]
     pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]
     firsts = [0]
     for c in counts:
@@ -104,7 +104,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     if output_final_state:
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         final_state = torch.empty(shape, dtype=torch.float32, device=dev)
-    chunk_state_fwd_kernel[(triton.cdiv(V, blocks['BV']), N * HV)](
+    chunk_state_fwd_kernel[(cdiv(V, blocks['BV']), N * HV)](
         k, w, u, gc, h, v_new, initial_state, final_state, cu_seqlens, layout.offsets, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
@@ -115,7 +115,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         return None, final_state, intermediates
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     BV = min(64, next_pow2(V))
-    chunk_output_fwd_kernel[(triton.cdiv(V, BV), layout.total, HV)](
+    chunk_output_fwd_kernel[(cdiv(V, BV), layout.total, HV)](
         q, gc, h, v_new, Aqk, o, cu_seqlens, layout.indices, scale, T, layout.NT,
         BK=min(64, next_pow2(K)), BV=BV, **common)
     return o, final_state, intermediates
@@ -141,7 +141,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dh = torch.empty_like(h)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunk_state_bwd_kernel[(triton.cdiv(V, blocks['BV']), N * HV)](
+    chunk_state_bwd_kernel[(cdiv(V, blocks['BV']), N * HV)](
         q, k, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, scale, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,

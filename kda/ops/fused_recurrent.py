@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
 from kda.ops.gate import activate_beta, activate_gate
-from kda.ops.utils import contiguous, next_pow2, use_kernels
+from kda.ops.utils import cdiv, contiguous, next_pow2, use_kernels
 from kda.ops.validation import (_expect_dtype, _expect_shape, _expect_tensor, _expect_bool,
                                 validate_activations, validate_inputs, validate_state)
 from kda.reference import naive_recurrent_kda
@@ -163,7 +162,7 @@ def fused_recurrent_kda(
     # 32 value columns per program: a 128x32 float32 tile is 32 registers per thread at 4 warps,
     # and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at H = 32).
     BV = min(next_pow2(V), 32)
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV), N * HV)
     fused_recurrent_kda_kernel[grid](
         q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices,
         problem.scale, T, num_slots, stride_sk, stride_sv,

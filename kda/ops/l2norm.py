@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from kda.kernels.l2norm import l2norm_bwd_kernel, l2norm_fwd_kernel
-from kda.ops.utils import next_pow2
+from kda.ops.utils import cdiv, next_pow2
 
 # Rows per program: 16 rows of up to 256 float32 values is 32 registers a thread at 4 warps.
 ROWS = 16
@@ -19,7 +18,7 @@ class L2NormFunction(torch.autograd.Function):
         n_rows = x.numel() // D
         y = torch.empty_like(x)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        l2norm_fwd_kernel[(triton.cdiv(n_rows, ROWS),)](x, y, rstd, n_rows, D=D, BR=ROWS, BD=next_pow2(D))
+        l2norm_fwd_kernel[(cdiv(n_rows, ROWS),)](x, y, rstd, n_rows, D=D, BR=ROWS, BD=next_pow2(D))
         ctx.save_for_backward(x, rstd)
         return y
 
@@ -29,7 +28,7 @@ class L2NormFunction(torch.autograd.Function):
         D = x.shape[-1]
         n_rows = x.numel() // D
         dx = torch.empty_like(x)
-        l2norm_bwd_kernel[(triton.cdiv(n_rows, ROWS),)](x, rstd, dy.contiguous(), dx, n_rows, D=D, BR=ROWS,
+        l2norm_bwd_kernel[(cdiv(n_rows, ROWS),)](x, rstd, dy.contiguous(), dx, n_rows, D=D, BR=ROWS,
                                                        BD=next_pow2(D))
         return dx
 
