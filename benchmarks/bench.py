@@ -433,6 +433,29 @@ def _decode_table(ours_fn, fla_mod, bench, quick):
     return _table(headers, rows)
 
 
+def _step_profile(chunk_fn, B=8, T=4096, H=16):
+    """GPU time per kernel of one forward + backward step of ours (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    inp, opts = _chunk_inputs(B, T, H)
+    leaves = {n: x.detach().requires_grad_() for n, x in inp.items()}
+    do = torch.randn_like(inp['v'])
+
+    def step():
+        o, _ = chunk_fn(**leaves, **opts)
+        o.backward(do)
+    step()
+    torch.cuda.synchronize()
+    steps = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    rows = [[e.key[:60], f"{e.device_time_total / steps / 1e3:.3f}", str(e.count // steps)]
+            for e in events[:12] if e.device_time_total > 0]
+    return f"(B, T, H) = ({B}, {T}, {H})\n\n" + _table(['kernel', 'ms per step', 'launches per step'], rows)
+
+
 def _throughput(impls, bench, quick, out_dir):
     Ts = [2048, 8192, 32768] if quick else PLOT_T
     data = {name: [] for name in impls}
@@ -513,6 +536,7 @@ def gpu_main(args):
         ('## chunk_kda forward + backward, ms', lambda: _chunk_table(chunk_impls, bench, args.quick, True)),
         ('## chunk_kda forward + backward, Kimi Linear gate config, ms',
          lambda: _chunk_table(chunk_impls, bench, args.quick, True, gate=True)),
+        ('## where one forward + backward step of ours spends GPU time', lambda: _step_profile(chunk)),
         (f'## fused_recurrent_kda decode step (T = 1, H = {DECODE_H}, K = V = 128, float32 state), us',
          lambda: _decode_table(fused, fla_mod, bench, args.quick)),
         ('## forward throughput, B * T = 32768, H = 32', lambda: _throughput(chunk_impls, bench, args.quick, out_dir)),
