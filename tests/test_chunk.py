@@ -400,6 +400,27 @@ def test_low_precision(dtype, gate_dtype, grads):
     check_lowp(dtype, gate_dtype, 2, 70, 1, 2, 32, 32, chunk_size=64, grads=grads)
 
 
+@requires_kernels
+@pytest.mark.parametrize('bad', [0.5, float('nan')])
+def test_bad_log_decay_is_loud(bad):
+    """g > 0 (against the contract) or NaN in g: the chunk containing it and everything after are
+    NaN for that head, earlier chunks stay exact, other heads are untouched; never a silently
+    clamped answer."""
+    B, T, HV, K, V = 1, 70, 2, 32, 32
+    x = _dev(make_inputs(B, T, 1, HV, K, V), KDEV)
+    x['g'] = x['g'].clone()
+    x['g'][0, 40, 1, 3] = bad
+    with torch.no_grad():
+        o, ht = chunk_kda(**x, chunk_size=32, output_final_state=True)
+    ro, _ = reference64(**_dev(x, 'cpu'))
+    o = o.cpu()
+    assert torch.isnan(o[0, 32:, 1]).all(), "outputs from the bad chunk on must be NaN"
+    assert torch.isnan(ht[0, 1]).all(), "the final state of the bad head must be NaN"
+    assert rel_err(o[0, :32], ro[0, :32]) < TOL, "outputs before the bad chunk changed"
+    assert torch.isfinite(o[0, :, 0]).all() and torch.isfinite(ht[0, 0]).all(), \
+        "the other head must be unaffected"
+
+
 # ----------------------------------------------------------------------------------------------
 # agreement with fused_recurrent_kda
 # ----------------------------------------------------------------------------------------------

@@ -99,8 +99,9 @@ def mm(a, b, DOT_DTYPE: tl.constexpr):
 @triton.jit
 def exp_nonpos(x):
     """exp of a quantity that is mathematically <= 0 (a decay over a span of tokens). Clamping at 0
-    keeps padding lanes, whose exponent is meaningless, finite."""
-    return tl.exp(tl.minimum(x, 0.))
+    keeps lanes whose exponent is meaningless (above the diagonal, past the chunk) finite; a NaN
+    passes through (``tl.minimum`` would drop it), so a poisoned decay stays visible."""
+    return tl.exp(tl.where(x > 0., 0., x))
 
 
 # A step whose log-decay is below -104 multiplies by less than float32's smallest denormal
@@ -113,4 +114,5 @@ LOG_DECAY_FLOOR = tl.constexpr(-104.0)
 
 @triton.jit
 def clamp_log_decay(g):
-    return tl.maximum(g, LOG_DECAY_FLOOR)
+    # tl.where, not tl.maximum, which would turn a NaN input into the floor.
+    return tl.where(g < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, g)

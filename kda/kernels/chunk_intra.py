@@ -101,9 +101,14 @@ def chunk_intra_fwd_kernel(
     b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
 
     # Cumulative log-decay of the valid rows (rows past L are never stored and load as 0).
+    # A positive log-decay breaks the contract (g <= 0) that the safe factorizations below rely
+    # on: its key channel becomes NaN for the whole chunk, so this chunk's outputs and everything
+    # after are NaN rather than silently wrong.
     for i_k in range(tl.cdiv(K, BK)):
         b_g = clamp_log_decay(load_tile(g_base, 0, L, HV * K, i_k * BK, K, BT, BK))
-        store_tile(gc_base, tl.cumsum(b_g, axis=0), 0, L, HV * K, i_k * BK, K, BT, BK)
+        b_c = tl.cumsum(b_g, axis=0)
+        b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)
+        store_tile(gc_base, b_c, 0, L, HV * K, i_k * BK, K, BT, BK)
     tl.debug_barrier()
 
     # Sub-block products: Aqk (scale included) and A' = A / beta, both kept for the backward.

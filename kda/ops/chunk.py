@@ -222,7 +222,8 @@ def chunk_kda(
     g ``[B, T, HV, K]`` (log-decay, <= 0), beta ``[B, T, HV]``, float32 states ``[N, HV, K, V]``
     (``[N, HV, V, K]`` with ``state_v_first``). Differentiable in q, k, v, g, beta, the initial
     state (and A_log, dt_bias with the in-kernel gate), including gradients arriving through the
-    final state.
+    final state. A log-decay above 0 (outside the contract) or NaN makes the outputs of its chunk
+    and of everything after it NaN for that head; it is never clamped into a plausible answer.
 
     Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``
     (inference only): ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]``
