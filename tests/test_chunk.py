@@ -703,6 +703,22 @@ def test_non_contiguous_inputs():
     assert_errs(errors(o1, h1, g1, ro, rht, rgd), TOL, "non-contiguous")
 
 
+@requires_kernels
+def test_non_contiguous_cu_seqlens():
+    """A strided cu_seqlens view is read by value, not by its storage."""
+    lengths = [5, 0, 30, 1]
+    cu = make_cu_seqlens(lengths)
+    padded = torch.stack([cu, torch.full_like(cu, 10 ** 6)], 1).reshape(-1)   # junk between values
+    strided = padded[::2]
+    assert torch.equal(strided, cu) and not strided.is_contiguous()
+    T, HV, K, V = sum(lengths), 2, 32, 16
+    x = _dev(make_inputs(1, T, 1, HV, K, V), KDEV)
+    with torch.no_grad():
+        o1, h1 = chunk_kda(**x, cu_seqlens=strided.to(KDEV), output_final_state=True, chunk_size=32)
+        o2, h2 = chunk_kda(**x, cu_seqlens=cu.to(KDEV), output_final_state=True, chunk_size=32)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2), "a strided cu_seqlens changed the result"
+
+
 # ----------------------------------------------------------------------------------------------
 # the PyTorch path (CPU without the interpreter)
 # ----------------------------------------------------------------------------------------------

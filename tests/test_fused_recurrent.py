@@ -494,3 +494,19 @@ def test_cuda_graph_decode_step(no_tf32):
         _bf16_bound_check(f'trial {trial} output', o_e, ex_o, r_o)
         unused = [s for s in range(P) if s not in idx.tolist()]
         assert torch.equal(pool[unused], pool_before[unused]), f"trial {trial}: unused slots modified"
+
+
+@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason='kernel path only')
+def test_backward_raises_instead_of_dropping_gradients():
+    """The decode kernel has no backward: a loss through its output must raise, not leave the
+    inputs' gradients silently without this layer's part."""
+    dev = 'cuda' if torch.cuda.is_available() and not INTERPRET else 'cpu'
+    x = {n: t.to(dev).requires_grad_() for n, t in make_inputs(1, 3, 1, 1, 16, 16).items()}
+    o, _ = fused_recurrent_kda(**x)
+    assert o.requires_grad, "the output must stay in the autograd graph"
+    with pytest.raises(RuntimeError, match='no backward'):
+        o.sum().backward()
+    with torch.no_grad():
+        o2, _ = fused_recurrent_kda(**x)
+    assert torch.equal(o.detach(), o2), "the forward must not change under autograd"
+

@@ -72,6 +72,8 @@ CASES = [
     # ----- head grouping and head dims
     ('HV % H != 0', lambda: base(v=q_(B, T, 3, V), g=-q_(B, T, 3, K).abs(), beta=q_(B, T, 3),
                                  initial_state=make_state(B, 3, K, V)), ValueError, r'HV = 3.*H = 2'),
+    ('HV = 0', lambda: base(v=q_(B, T, 0, V), g=-q_(B, T, 0, K).abs(), beta=q_(B, T, 0),
+                            initial_state=None), ValueError, r'HV = 0'),
     ('HV < H', lambda: base(v=q_(B, T, 1, V), g=-q_(B, T, 1, K).abs(), beta=q_(B, T, 1),
                             initial_state=make_state(B, 1, K, V)), ValueError, r'HV = 1'),
     ('K > 256', lambda: base(**make_inputs(1, 1, 1, 1, 257, 4), initial_state=None, output_final_state=False),

@@ -22,7 +22,8 @@ def chunk_output_fwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Chunks on axis 0, which allows 2^31 - 1 programs; axes 1 and 2 stop at 65535.
+    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)

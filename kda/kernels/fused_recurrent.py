@@ -37,7 +37,8 @@ def fused_recurrent_kda_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # (sequence, head) on axis 0, which allows 2^31 - 1 programs; axis 1 stops at 65535.
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:

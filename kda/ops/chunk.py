@@ -21,7 +21,7 @@ from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.l2norm import l2norm
-from kda.ops.utils import cdiv, contiguous, next_pow2, use_kernels
+from kda.ops.utils import cdiv, contiguous, next_pow2, state_strides, use_kernels
 from kda.ops.validation import (validate_activations, validate_chunk_size, validate_inputs)
 from kda.reference import chunk_kda_reference
 
@@ -65,12 +65,6 @@ def state_blocks(K: int, V: int) -> dict:
     return dict(BK=BK, BV=min(next_pow2(V), 32), num_stages=1 if BK > 128 else 2)
 
 
-def state_strides(K: int, V: int, state_v_first: bool) -> tuple[int, int]:
-    """Element strides (between key rows, between value columns) of a ``[K, V]`` state stored as
-    ``[K, V]`` or, value-major, ``[V, K]``."""
-    return (1, K) if state_v_first else (V, 1)
-
-
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, need_output: bool = True,
                   chunk_state_dtype: torch.dtype | None = None):
@@ -104,7 +98,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     if output_final_state:
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         final_state = torch.empty(shape, dtype=torch.float32, device=dev)
-    chunk_state_fwd_kernel[(cdiv(V, blocks['BV']), N * HV)](
+    chunk_state_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
         k, w, u, gc, h, v_new, initial_state, final_state, cu_seqlens, layout.offsets, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
@@ -115,7 +109,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         return None, final_state, intermediates
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     BV = min(64, next_pow2(V))
-    chunk_output_fwd_kernel[(cdiv(V, BV), layout.total, HV)](
+    chunk_output_fwd_kernel[(layout.total, cdiv(V, BV), HV)](
         q, gc, h, v_new, Aqk, o, cu_seqlens, layout.indices, scale, T, layout.NT,
         BK=min(64, next_pow2(K)), BV=BV, **common)
     return o, final_state, intermediates
@@ -141,7 +135,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dh = torch.empty_like(h)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunk_state_bwd_kernel[(cdiv(V, blocks['BV']), N * HV)](
+    chunk_state_bwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
         q, k, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, scale, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
@@ -187,6 +181,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
             q, k, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
             do.contiguous(), None if dht is None else dht.contiguous(), ctx.saved_intermediates)
+        ctx.saved_intermediates = None
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 None, dh0, None, None, None, None, None)
 
@@ -256,7 +251,7 @@ def chunk_kda(
                                    use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    q, k, v, g, beta, initial_state = contiguous(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, q.device)
     if return_intermediate_states or not needs_grad:
         # Inference: nothing is kept for a backward. States handed to the user stay float32.

@@ -5,7 +5,7 @@ import torch
 
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
 from kda.ops.gate import activate_beta, activate_gate
-from kda.ops.utils import cdiv, contiguous, next_pow2, use_kernels
+from kda.ops.utils import cdiv, contiguous, next_pow2, state_strides, use_kernels
 from kda.ops.validation import (_expect_dtype, _expect_shape, _expect_tensor, _expect_bool,
                                 validate_activations, validate_inputs, validate_state)
 from kda.reference import naive_recurrent_kda
@@ -150,28 +150,48 @@ def fused_recurrent_kda(
     if inplace_final_state:
         ht = initial_state
     elif output_final_state:
-        ht = q.new_empty(N, HV, K, V, dtype=torch.float32)
-        if state_v_first:
-            ht = q.new_empty(N, HV, V, K, dtype=torch.float32)
+        ht = q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
     else:
         ht = None
     num_slots = initial_state.shape[0] if initial_state is not None else N
-    # State element (i_k, i_v) sits at i_k * V + i_v, or i_v * K + i_k when value-major.
-    stride_sk, stride_sv = (1, K) if state_v_first else (V, 1)
+    stride_sk, stride_sv = state_strides(K, V, state_v_first)
     BK = next_pow2(K)
     # 32 value columns per program: a 128x32 float32 tile is 32 registers per thread at 4 warps,
     # and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at H = 32).
     BV = min(next_pow2(V), 32)
-    grid = (cdiv(V, BV), N * HV)
-    fused_recurrent_kda_kernel[grid](
-        q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices,
-        problem.scale, T, num_slots, stride_sk, stride_sv,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        USE_L2NORM=use_qk_l2norm_in_kernel,
-        IS_VARLEN=cu_seqlens is not None,
-        USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=ht is not None,
-        USE_STATE_INDICES=ssm_state_indices is not None,
-        num_warps=4,
-    )
-    return out, (ht if output_final_state else None)
+    grid = (N * HV, cdiv(V, BV))
+
+    def launch():
+        fused_recurrent_kda_kernel[grid](
+            q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices,
+            problem.scale, T, num_slots, stride_sk, stride_sv,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            USE_L2NORM=use_qk_l2norm_in_kernel,
+            IS_VARLEN=cu_seqlens is not None,
+            USE_INITIAL_STATE=initial_state is not None,
+            STORE_FINAL_STATE=ht is not None,
+            USE_STATE_INDICES=ssm_state_indices is not None,
+            num_warps=4,
+        )
+        return out, (ht if output_final_state else None)
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
+        return ForwardOnly.apply(q, k, v, g, beta, launch)
+    return launch()
+
+
+class ForwardOnly(torch.autograd.Function):
+    """Puts the kernel's outputs in the autograd graph so that a backward through them raises,
+    rather than the inputs' gradients silently missing this layer's contribution."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, launch):
+        o, final_state = launch()
+        if final_state is not None:
+            ctx.mark_non_differentiable(final_state)
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        raise RuntimeError("fused_recurrent_kda has no backward pass (it is the decode/prefill "
+                           "kernel); train with chunk_kda")

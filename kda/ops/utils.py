@@ -30,3 +30,9 @@ def next_pow2(n: int, minimum: int = 16) -> int:
 def contiguous(*xs):
     """Dense copies of non-contiguous views; kernels index with dense strides."""
     return tuple(None if x is None else x.contiguous() for x in xs)
+
+
+def state_strides(K: int, V: int, state_v_first: bool) -> tuple[int, int]:
+    """Element strides (between key rows, between value columns) of a ``[K, V]`` state stored as
+    ``[K, V]`` or, value-major, ``[V, K]``."""
+    return (1, K) if state_v_first else (V, 1)

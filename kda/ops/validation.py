@@ -75,6 +75,9 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
         raise ValueError(f"with cu_seqlens the batch must be packed into B = 1, got B = {B}")
     if cu_seqlens_cpu is not None:
         _expect_tensor('cu_seqlens_cpu', cu_seqlens_cpu)
+        if cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens_cpu must be an integer tensor (int64 or int32), "
+                            f"got {_dtype_name(cu_seqlens_cpu.dtype)}")
         if cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu must have the shape of cu_seqlens {list(cu_seqlens.shape)}, "
                              f"got {list(cu_seqlens_cpu.shape)}")
@@ -122,7 +125,7 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
     if v.dim() != 4 or v.shape[:2] != (B, T):
         raise ValueError(f"v must have shape [B, T, HV, V] = [{B}, {T}, HV, V], got {list(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
-    if H == 0 or HV % H != 0:
+    if H == 0 or HV == 0 or HV % H != 0:
         raise ValueError(f"v's head count HV = {HV} must be a positive multiple of q's H = {H} "
                          f"(grouped-value attention)")
     _expect_shape('g', g, (B, T, HV, K), '[B, T, HV, K]')
