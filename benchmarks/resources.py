@@ -3,9 +3,10 @@
     TRITON_DEFAULT_FP_FUSION=1 python benchmarks/resources.py [fwd] [bwd] [state] [stateb] [out]
 
 Compiles each kernel with Triton for an H100/H200 target at the benchmark's shape (bf16,
-K = V = 128, chunk 64) and runs the ptxas bundled with Triton (`ptxas-blackwell`, which accepts
-the PTX version the newest Triton emits) with -v. Costs no device time; the GPU's Triton version
-may allocate slightly differently.
+K = V = 128, chunk 64, the launchers' block sizes) and runs the ptxas bundled with Triton
+(`ptxas-blackwell`, which accepts the PTX version the newest Triton emits) with -v. Costs no device
+time. Run it with the GPU's Triton version (3.6 on the lent H200) for the figures that matter:
+3.6 and 3.9 allocate differently.
 """
 import inspect, subprocess, sys, re, os, tempfile
 import triton, triton.language as tl
@@ -49,10 +50,10 @@ if 'fwd' in which:
         for st in (1, 2, 3):
             report(chunk_intra_fwd_kernel, sig, cx, num_warps=w, num_stages=st, label=f'intra_fwd w{w} s{st}')
 if 'bwd' in which:
-    sig, cx = sig_for(chunk_intra_bwd_kernel, dict(q=bf, k=bf, v=bf, beta=bf, h=bf, v_new=bf, do=bf, dh=bf), dict(BC=16, BK=64, BV=64, **common),
+    sig, cx = sig_for(chunk_intra_bwd_kernel, dict(q=bf, k=bf, v=bf, beta=bf, h=bf, v_new=bf, do=bf, dh=bf), dict(BC=16, BK=32, BV=32, **common),
                       ints=('T', 'NT'), floats=('scale',), nones=('cu_seqlens', 'chunk_indices'))
     for w in (4, 8):
-        for st in (1, 2):
+        for st in (1, 3):
             report(chunk_intra_bwd_kernel, sig, cx, num_warps=w, num_stages=st, label=f'intra_bwd w{w} s{st}')
 if 'state' in which:
     sig, cx = sig_for(chunk_state_fwd_kernel, dict(k=bf, w=bf, u=bf, h=bf, v_new=bf), dict(BK=128, BV=32, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, **common),
