@@ -120,7 +120,8 @@ def fused_recurrent_kda(
         out: preallocated ``[B, T, HV, V]`` output. With these, a decode step allocates nothing
             and can be captured in a CUDA graph.
 
-    Returns ``(o, final_state)``; ``final_state`` is None unless ``output_final_state``.
+    Returns ``(o, final_state)``; ``final_state`` is None unless ``output_final_state``. There is no
+    backward pass: a backward through ``o`` raises (train with ``chunk_kda``).
     """
     problem, _ = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
