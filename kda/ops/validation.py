@@ -39,7 +39,7 @@ def _expect_tensor(name: str, x) -> torch.Tensor:
 
 
 def _expect_shape(name: str, x: torch.Tensor, shape: tuple, meaning: str) -> None:
-    if tuple(x.shape) != tuple(shape):
+    if x.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)} ({meaning}), got {list(x.shape)}")
 
 
@@ -141,16 +141,17 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
         if x.dtype not in (q.dtype, torch.float32):
             raise TypeError(f"{name} must have q's dtype {_dtype_name(q.dtype)} or float32, "
                             f"got {_dtype_name(x.dtype)}")
+    device = q.device
     for name, x in (('k', k), ('v', v), ('g', g), ('beta', beta)):
-        if x.device != q.device:
-            raise ValueError(f"{name} must be on {q.device} like q, got {x.device}")
+        if x.device != device:
+            raise ValueError(f"{name} must be on {device} like q, got {x.device}")
     if scale is None:
         scale = K ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    N, offsets = validate_cu_seqlens(cu_seqlens, B, T, q.device, cu_seqlens_cpu)
+    N, offsets = validate_cu_seqlens(cu_seqlens, B, T, device, cu_seqlens_cpu)
     if check_state:
-        validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, q.device)
+        validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, device)
     return Problem(B, T, H, HV, K, V, N, float(scale)), offsets
 
 
