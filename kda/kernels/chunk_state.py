@@ -12,8 +12,8 @@ sequence's chunks; the state stays in registers in float32.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
-                                      store_tile)
+from kda.kernels.chunk_common import (exp_nonpos, keys_to_chunk_end, load_tile, mm, sequence_span,
+                                      state_tile, store_tile)
 
 
 @triton.jit
@@ -47,10 +47,8 @@ def chunk_state_fwd_kernel(
         b_u = load_tile(u + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_d = b_u - mm(b_w, b_h, DOT_DTYPE)
         store_tile(v_new + row0 * HV * V + i_hv * V, b_d, 0, n, HV * V, i_v * BV, V, BT, BV)
-        b_c = load_tile(gc + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
-        b_k = load_tile(k + row0 * H * K + i_h * K, 0, n, H * K, 0, K, BT, BK)
-        b_kbar = b_k * exp_nonpos(b_last[None, :] - b_c)
+        _, b_last, b_kbar = keys_to_chunk_end(k + row0 * H * K + i_h * K, H * K,
+                                              gc + row0 * HV * K + i_hv * K, HV * K, n, K, BT, BK)
         b_h = b_h * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_kbar), b_d, DOT_DTYPE)
 
     if STORE_FINAL_STATE:

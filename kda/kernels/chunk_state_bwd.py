@@ -13,8 +13,8 @@ The last ``dS`` is the gradient of the initial state.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
-                                      store_tile)
+from kda.kernels.chunk_common import (exp_nonpos, keys_to_chunk_end, load_tile, mm, sequence_span,
+                                      state_tile, store_tile)
 
 
 @triton.jit
@@ -48,10 +48,8 @@ def chunk_state_bwd_kernel(
         b_do = load_tile(do + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_A = load_tile(Aqk + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
         b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.)
-        b_c = load_tile(gc + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
-        b_k = load_tile(k + row0 * H * K + i_h * K, 0, n, H * K, 0, K, BT, BK)
-        b_kbar = b_k * exp_nonpos(b_last[None, :] - b_c)
+        b_c, b_last, b_kbar = keys_to_chunk_end(k + row0 * H * K + i_h * K, H * K,
+                                                gc + row0 * HV * K + i_hv * K, HV * K, n, K, BT, BK)
         b_ddv = mm(tl.trans(b_A), b_do, DOT_DTYPE) + mm(b_kbar, b_dh, DOT_DTYPE)
         store_tile(dv_new + row0 * HV * V + i_hv * V, b_ddv, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_q = load_tile(q + row0 * H * K + i_h * K, 0, n, H * K, 0, K, BT, BK)

@@ -22,7 +22,7 @@ from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.l2norm import l2norm
 from kda.ops.utils import cdiv, contiguous, next_pow2, state_strides, use_kernels
-from kda.ops.validation import (validate_activations, validate_chunk_size, validate_inputs)
+from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
 from kda.reference import chunk_kda_reference
 
 DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -230,10 +230,8 @@ def chunk_kda(
     validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
                          safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     validate_chunk_size(chunk_size)
-    for name, x in (('disable_recompute', disable_recompute),
-                    ('return_intermediate_states', return_intermediate_states)):
-        if not isinstance(x, bool):
-            raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    _expect_bool('disable_recompute', disable_recompute)
+    _expect_bool('return_intermediate_states', return_intermediate_states)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
     if return_intermediate_states and needs_grad:
