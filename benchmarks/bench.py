@@ -80,6 +80,7 @@ DECODE_H = 32
 PLOT_TOKENS = 32768
 PLOT_T = [2048, 4096, 8192, 16384, 32768]
 HEAD_DIM = 128
+PARTS = ('fwd', 'gate_fwd', 'fwdbwd', 'gate_fwdbwd', 'profile', 'decode', 'throughput')
 
 
 def _err(e: BaseException) -> str:
@@ -332,7 +333,7 @@ def _chunk_table(impls, bench, quick, backward, gate=False):
             f"{_fmt(res['ours'][1], '.2f')}, {_fmt(res['FLA'][1], '.2f')}",
             _fmt(diff, '.1e'),
         ])
-        print(f"  [{time.time() - t0:.0f}s] {label}", file=sys.stderr, flush=True)
+        print(f"  [{time.time() - t0:.0f}s] " + ' | '.join(rows[-1]), file=sys.stderr, flush=True)
     headers = ['(B, T, H)', 'ours ms', 'FLA ms', 'FLA/ours', 'floor ms (bytes, FLOPs)', 'ours/floor',
                'peak GiB (ours, FLA)', 'rel. diff o']
     return _table(headers, rows)
@@ -506,7 +507,7 @@ def gpu_main(args):
     import triton
     bench = _bench_setup(args.quick)
     chunk, fused, errors = _import_kda()
-    fla_mod, fla_desc = _import_fla()
+    fla_mod, fla_desc = (None, 'FLA not run (--no-fla)') if args.no_fla else _import_fla()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = (f"# kda benchmarks\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -529,27 +530,36 @@ def gpu_main(args):
     while time.time() < t_end:
         a @ a
     torch.cuda.synchronize()
-    parts = [
-        ('## chunk_kda forward (inference mode), ms', lambda: _chunk_table(chunk_impls, bench, args.quick, False)),
-        ('## chunk_kda forward (inference mode), Kimi Linear gate config, ms',
-         lambda: _chunk_table(chunk_impls, bench, args.quick, False, gate=True)),
-        ('## chunk_kda forward + backward, ms', lambda: _chunk_table(chunk_impls, bench, args.quick, True)),
-        ('## chunk_kda forward + backward, Kimi Linear gate config, ms',
-         lambda: _chunk_table(chunk_impls, bench, args.quick, True, gate=True)),
-        ('## where one forward + backward step of ours spends GPU time', lambda: _step_profile(chunk)),
-        (f'## fused_recurrent_kda decode step (T = 1, H = {DECODE_H}, K = V = 128, float32 state), us',
-         lambda: _decode_table(fused, fla_mod, bench, args.quick)),
-        ('## forward throughput, B * T = 32768, H = 32', lambda: _throughput(chunk_impls, bench, args.quick, out_dir)),
-    ]
-    for title, make in parts:
+    parts = {
+        'fwd': ('## chunk_kda forward (inference mode), ms',
+                lambda: _chunk_table(chunk_impls, bench, args.quick, False)),
+        'gate_fwd': ('## chunk_kda forward (inference mode), Kimi Linear gate config, ms',
+                     lambda: _chunk_table(chunk_impls, bench, args.quick, False, gate=True)),
+        'fwdbwd': ('## chunk_kda forward + backward, ms', lambda: _chunk_table(chunk_impls, bench, args.quick, True)),
+        'gate_fwdbwd': ('## chunk_kda forward + backward, Kimi Linear gate config, ms',
+                        lambda: _chunk_table(chunk_impls, bench, args.quick, True, gate=True)),
+        'profile': ('## where one forward + backward step of ours spends GPU time', lambda: _step_profile(chunk)),
+        'decode': (f'## fused_recurrent_kda decode step (T = 1, H = {DECODE_H}, K = V = 128, float32 state), us',
+                   lambda: _decode_table(fused, fla_mod, bench, args.quick)),
+        'throughput': ('## forward throughput, B * T = 32768, H = 32',
+                       lambda: _throughput(chunk_impls, bench, args.quick, out_dir)),
+    }
+    for key in args.parts.split(','):
+        if key not in parts:
+            raise SystemExit(f"--parts: unknown part {key!r}; expected some of {', '.join(parts)}")
+    for key in args.parts.split(','):
+        title, make = parts[key]
+        t0 = time.time()
         try:
             body = make()
         except Exception as e:  # noqa: BLE001
             body = _err(e)
             _free()
         text = f"{title}\n\n{body}\n"
-        print(text, flush=True)
+        print(text, f"({key}: {time.time() - t0:.0f} s)", flush=True)
         sections.append(text)
+        # written after every part, so that a run cut short by a time limit keeps what it measured
+        (out_dir / 'results.md').write_text('\n'.join(sections))
     notes = ("Floors: max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s), counted as in the docstring of "
              "benchmarks/bench.py. Peak GiB: allocator peak of one call, inputs included. rel. diff o: "
              "||o_ours - o_FLA|| / ||o_FLA|| on the same inputs. Varlen lengths: "
@@ -631,7 +641,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--quick', action='store_true', help='fewer shapes and repetitions')
     p.add_argument('--out', default=str(ROOT / 'out'), help='folder for results.md and the plot')
-    p.add_argument('--no-fla', action='store_true', help='CPU mode: skip FLA even if importable')
+    p.add_argument('--no-fla', action='store_true', help='skip FLA even if importable')
+    p.add_argument('--parts', default=','.join(PARTS),
+                   help=f"GPU mode: comma-separated parts to run, in order (default all: {','.join(PARTS)})")
     args = p.parse_args(argv)
     if torch.cuda.is_available():
         gpu_main(args)

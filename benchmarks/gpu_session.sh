@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs in one device call: the test suite on CUDA, then the benchmark.
-#   bash benchmarks/gpu_session.sh            (writes pytest.log, bench.log, results.md to $OUT or out/)
+#   bash benchmarks/gpu_session.sh     (writes gpu.txt, pytest.log, bench.log, results.md to $OUT or out/)
+# Environment: SHARDS (parallel pytest processes, default 8: on the H200 host the suite's time is
+# mostly single-threaded kernel compiles), TEST_SECONDS / BENCH_SECONDS (limits; 0 skips the step),
+# BENCH_ARGS (arguments for bench.py, e.g. "--parts fwd,decode --no-fla").
 # FLA comes from a carried wheel when .whl/ holds one (see benchmarks/FLA_NOTES.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,5 +15,21 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout "${TEST_SECONDS:-240}" python3 -m pytest -q tests 2>&1 | tee "$OUT/pytest.log" | tail -15
-timeout "${BENCH_SECONDS:-300}" python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+SHARDS=${SHARDS:-8}
+if [ "${TEST_SECONDS:-300}" != 0 ]; then
+    start=$(date +%s)
+    for i in $(seq 0 $((SHARDS - 1))); do
+        timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider --durations=5 \
+            --shard "$i/$SHARDS" tests > "$OUT/pytest.$i.log" 2>&1 &
+    done
+    wait
+    cat "$OUT"/pytest.*.log > "$OUT/pytest.log"
+    echo "tests: $(( $(date +%s) - start )) s"
+    grep -hE "passed|failed|error" "$OUT"/pytest.*.log | grep -E "^(=|[0-9])" | tail -n "$SHARDS"
+    grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
+fi
+if [ "${BENCH_SECONDS:-300}" != 0 ]; then
+    timeout "${BENCH_SECONDS:-300}" python3 benchmarks/bench.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/bench.log" | tail -100
+fi

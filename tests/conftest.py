@@ -114,3 +114,24 @@ def reference64(q, k, v, g, beta, **kwargs):
     kwargs['initial_state'] = to64(kwargs.get('initial_state'))
     kwargs['output_final_state'] = True
     return naive_recurrent_kda(to64(q), to64(k), to64(v), to64(g), to64(beta), **kwargs)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only every N-th collected test, starting at I (0 <= I < N); "
+                          "benchmarks/gpu_session.sh runs N shards in parallel to spread kernel compiles")
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard expects I/N with integers, got {spec!r}") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"--shard expects 0 <= I < N, got {spec!r}")
+    keep = [it for j, it in enumerate(items) if j % n == i]
+    config.hook.pytest_deselected(items=[it for j, it in enumerate(items) if j % n != i])
+    items[:] = keep
