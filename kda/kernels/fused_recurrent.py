@@ -37,8 +37,10 @@ def fused_recurrent_kda_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
 ):
-    # (sequence, head) on axis 0, which allows 2^31 - 1 programs; axis 1 stops at 65535.
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    # One grid axis (2^31 - 1 programs; axes 1 and 2 stop at 65535), the value blocks of a state
+    # innermost: programs that run together then cover whole rows of the same state.
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_nh, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:

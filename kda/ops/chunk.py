@@ -56,13 +56,36 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None, device)
     return ChunkLayout(BT, 0, len(pairs), indices, offsets)
 
 
-def state_blocks(K: int, V: int) -> dict:
-    """Block sizes of the sequential state stages. The state slice ``[K, 32]`` float32 lives in
-    registers; 32 value columns (not 64) double the programs of these stages (512 at
-    (B, H) = (8, 16), K = V = 128, on 132 SMs). At K = 256 the pipelined chunk loop asked for
-    273 KiB of shared memory (limit 227 KiB on the H200); one stage fits."""
-    BK = next_pow2(K)
-    return dict(BK=BK, BV=min(next_pow2(V), 32), num_stages=1 if BK > 128 else 2)
+# Launch configuration of each chunk kernel: block sizes (capped by the head dims at launch) and
+# Triton launch options. Chosen on the H200 with benchmarks/sweep.py (figures in BENCHMARKS.md);
+# the sweep edits this table in place to time alternatives.
+#   state_*: the state slice [K, BV] float32 lives in registers; BV = 32 (not 64) doubles the
+#            programs of the sequential stages (512 at (B, H) = (8, 16), K = V = 128, 132 SMs).
+#   intra_bwd: 32-wide slices and no pipelining spill 200 B a thread (triton 3.6, ptxas -v,
+#            sm_90a), where 3 stages spilled 536 B and 64-wide slices 2.3 KB.
+TUNING = {
+    'intra_fwd': dict(BK=64, BV=64, num_warps=8, num_stages=3),
+    'state_fwd': dict(BV=32, num_warps=4, num_stages=2),
+    'output': dict(BK=64, BV=64, num_warps=4, num_stages=3),
+    'state_bwd': dict(BV=32, num_warps=4, num_stages=2),
+    'intra_bwd': dict(BK=32, BV=32, num_warps=8, num_stages=1),
+}
+
+
+def launch_config(stage: str, K: int, V: int) -> dict:
+    """Keyword arguments for launching ``stage``'s kernel at head dims K, V (see ``TUNING``)."""
+    cfg = {name: value for name, value in TUNING[stage].items() if value is not None}
+    if 'BK' in cfg:
+        cfg['BK'] = min(cfg['BK'], next_pow2(K))
+    if 'BV' in cfg:
+        cfg['BV'] = min(cfg['BV'], next_pow2(V))
+    if stage.startswith('state_'):
+        # The whole key dimension is one block. At K = 256 a pipelined chunk loop asked for
+        # 273 KiB of shared memory (the H200 has 227 KiB); one stage fits.
+        cfg['BK'] = next_pow2(K)
+        if cfg['BK'] > 128:
+            cfg['num_stages'] = 1
+    return cfg
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
@@ -88,10 +111,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     chunk_intra_fwd_kernel[(layout.total, HV)](
         q, k, v, g, beta, gc, Aqk, Akk, Minv, w, u, cu_seqlens, layout.indices, scale, T, layout.NT,
-        # 8 warps: no spills, where 4 warps spilled 52 B a thread (triton 3.6, ptxas -v, sm_90a).
-        BC=BC, BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), num_warps=8, **common)
+        BC=BC, **launch_config('intra_fwd', K, V), **common)
 
-    blocks = state_blocks(K, V)
+    blocks = launch_config('state_fwd', K, V)
     h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     final_state = None
@@ -108,10 +130,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     if not need_output:
         return None, final_state, intermediates
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    BV = min(64, next_pow2(V))
-    chunk_output_fwd_kernel[(layout.total, cdiv(V, BV), HV)](
-        q, gc, h, v_new, Aqk, o, cu_seqlens, layout.indices, scale, T, layout.NT,
-        BK=min(64, next_pow2(K)), BV=BV, **common)
+    cfg = launch_config('output', K, V)
+    chunk_output_fwd_kernel[(layout.total, cdiv(V, cfg['BV']), HV)](
+        q, gc, h, v_new, Aqk, o, cu_seqlens, layout.indices, scale, T, layout.NT, **cfg, **common)
     return o, final_state, intermediates
 
 
@@ -131,7 +152,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
                                     cu_seqlens, layout, need_output=False)
     gc, Aqk, Akk, Minv, w, u, h, v_new = saved
 
-    blocks = state_blocks(K, V)
+    blocks = launch_config('state_bwd', K, V)
     dh = torch.empty_like(h)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
@@ -152,10 +173,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     chunk_intra_bwd_kernel[(layout.total, HV)](
         q, k, v, g, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
         dq, dk, dv, dbeta, dg, dAqk, dAkk, cu_seqlens, layout.indices, scale, T, layout.NT,
-        # 32-wide K and V slices, 8 warps, no software pipelining: 200 B of spills a thread with
-        # triton 3.6 (ptxas -v, sm_90a), 536 B with 3 stages, 2.3 KB with 64-wide slices.
-        BC=BC, BK=min(32, next_pow2(K)), BV=min(32, next_pow2(V)), num_warps=8, num_stages=1,
-        **common)
+        BC=BC, **launch_config('intra_bwd', K, V), **common)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)

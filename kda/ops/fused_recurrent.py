@@ -160,7 +160,7 @@ def fused_recurrent_kda(
     # 32 value columns per program: a 128x32 float32 tile is 32 registers per thread at 4 warps,
     # and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at H = 32).
     BV = min(next_pow2(V), 32)
-    grid = (N * HV, cdiv(V, BV))
+    grid = (N * HV * cdiv(V, BV),)
 
     def launch():
         fused_recurrent_kda_kernel[grid](

@@ -1,0 +1,140 @@
+"""Launch-configuration sweep of the chunk kernels on a GPU (one device call).
+
+    python benchmarks/sweep.py [--stages intra_fwd,intra_bwd,...] [--jobs 12]
+
+For every stage of ``kda.ops.chunk.TUNING`` and every candidate configuration below, it sets that
+stage's entry, runs one forward + backward step of ``chunk_kda`` (bf16, K = V = 128, l2norm in
+kernel, g pre-computed) under ``torch.profiler`` and reports the stage kernel's GPU time per call.
+Kernels are first compiled by ``--jobs`` parallel processes into a shared Triton cache (compiles
+are single-threaded and dominate the wall time), then timed one configuration at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kda import chunk_kda  # noqa: E402
+from kda.ops import chunk as chunk_ops  # noqa: E402
+
+KERNELS = {'intra_fwd': 'chunk_intra_fwd_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
+           'output': 'chunk_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
+           'intra_bwd': 'chunk_intra_bwd_kernel'}
+
+
+def cfg(BK=None, BV=None, w=4, s=2, r=None):
+    return dict(BK=BK, BV=BV, num_warps=w, num_stages=s, maxnreg=r)
+
+
+CANDIDATES = {
+    'intra_fwd': [cfg(64, 64, 8, 3), cfg(64, 64, 8, 2), cfg(64, 64, 4, 2), cfg(32, 32, 4, 2),
+                  cfg(64, 64, 4, 3, 128), cfg(32, 32, 4, 1, 128), cfg(64, 64, 8, 3, 128),
+                  cfg(32, 64, 4, 2, 168), cfg(64, 64, 2, 2)],
+    'intra_bwd': [cfg(32, 32, 8, 1), cfg(32, 32, 4, 1), cfg(32, 32, 4, 1, 128), cfg(32, 32, 8, 1, 128),
+                  cfg(64, 64, 8, 1), cfg(32, 32, 8, 2), cfg(16, 16, 4, 1), cfg(16, 16, 4, 1, 128)],
+    'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 16, 4, 2), cfg(None, 16, 4, 3), cfg(None, 64, 8, 2),
+                  cfg(None, 32, 8, 2), cfg(None, 32, 4, 3), cfg(None, 16, 2, 2)],
+    'state_bwd': [cfg(None, 32, 4, 2), cfg(None, 16, 4, 2), cfg(None, 16, 4, 3), cfg(None, 64, 8, 2),
+                  cfg(None, 32, 8, 2), cfg(None, 32, 4, 3), cfg(None, 16, 2, 2)],
+    'output': [cfg(64, 64, 4, 3), cfg(128, 64, 4, 3), cfg(64, 128, 8, 3), cfg(64, 32, 4, 3),
+               cfg(32, 64, 4, 2), cfg(128, 128, 8, 2), cfg(64, 64, 8, 3)],
+}
+SHAPES = {'intra_fwd': [(8, 4096, 16)], 'intra_bwd': [(8, 4096, 16)], 'output': [(8, 4096, 16)],
+          'state_fwd': [(8, 4096, 16), (1, 32768, 32)], 'state_bwd': [(8, 4096, 16), (1, 32768, 32)]}
+
+
+def inputs(B, T, H):
+    gen = torch.Generator(device='cuda').manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device='cuda')  # noqa: E731
+    bf = torch.bfloat16
+    leaves = dict(q=r(B, T, H, 128).to(bf), k=r(B, T, H, 128).to(bf), v=r(B, T, H, 128).to(bf),
+                  g=torch.nn.functional.logsigmoid(r(B, T, H, 128) + 3.0) * 2.0,
+                  beta=torch.sigmoid(r(B, T, H)).to(bf))
+    leaves = {n: x.requires_grad_() for n, x in leaves.items()}
+    return leaves, torch.randn_like(leaves['v'])
+
+
+def step(leaves, do):
+    o, _ = chunk_kda(**leaves, use_qk_l2norm_in_kernel=True)
+    o.backward(do)
+
+
+def jobs():
+    return [(stage, i, shape) for stage in CANDIDATES for i in range(len(CANDIDATES[stage]))
+            for shape in SHAPES[stage]]
+
+
+def kernel_ms(stage, leaves, do, reps=3):
+    from torch.profiler import ProfilerActivity, profile
+    step(leaves, do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step(leaves, do)
+        torch.cuda.synchronize()
+    for e in prof.key_averages():
+        if e.key.startswith(KERNELS[stage]):
+            return e.device_time_total / 1e3 / e.count
+    return float('nan')
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--stages', default=','.join(CANDIDATES))
+    p.add_argument('--jobs', type=int, default=12)
+    p.add_argument('--compile-shard', default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    stages = args.stages.split(',')
+    todo = [j for j in jobs() if j[0] in stages]
+    baseline = {k: dict(v) for k, v in chunk_ops.TUNING.items()}
+
+    if args.compile_shard is not None:
+        i, n = map(int, args.compile_shard.split('/'))
+        for stage, c, shape in todo[i::n]:
+            chunk_ops.TUNING[stage] = CANDIDATES[stage][c]
+            try:
+                leaves, do = inputs(*shape)
+                step(leaves, do)
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001  (reported by the timing pass)
+                pass
+            chunk_ops.TUNING[stage] = baseline[stage]
+        return
+
+    os.environ.setdefault('TRITON_CACHE_DIR', tempfile.mkdtemp(prefix='sweep_cache_'))
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, __file__, '--stages', args.stages,
+                               '--compile-shard', f'{i}/{args.jobs}'], env=os.environ)
+             for i in range(args.jobs)]
+    for pr in procs:
+        pr.wait()
+    print(f"compiled {len(todo)} configurations in {time.time() - t0:.0f} s", flush=True)
+
+    print('| stage | (B, T, H) | BK | BV | warps | stages | maxnreg | kernel ms |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- |')
+    for stage, c, shape in todo:
+        chunk_ops.TUNING[stage] = CANDIDATES[stage][c]
+        try:
+            leaves, do = inputs(*shape)
+            ms = f"{kernel_ms(stage, leaves, do):.3f}"
+        except Exception as e:  # noqa: BLE001
+            ms = f"error: {type(e).__name__}: {str(e)[:80]}".replace('\n', ' ')
+        chunk_ops.TUNING[stage] = baseline[stage]
+        leaves = do = None
+        torch.cuda.empty_cache()
+        k = CANDIDATES[stage][c]
+        print(f"| {stage} | {shape} | {k['BK']} | {k['BV']} | {k['num_warps']} | {k['num_stages']} "
+              f"| {k['maxnreg']} | {ms} |", flush=True)
+
+
+if __name__ == '__main__':
+    main()
