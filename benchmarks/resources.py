@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the chunk kernels on sm_90a, without a GPU.
 
-    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/resources.py [fwd] [bwd] [state] [stateb] [out]
+    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/resources.py [kernel names, default all]
 
 Compiles each kernel with Triton for an H100/H200 target at the benchmark's shape (bf16,
 K = V = 128, chunk 64, the launchers' block sizes) and runs the ptxas bundled with Triton
@@ -12,8 +12,8 @@ import inspect, subprocess, sys, re, os, tempfile
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kda.kernels.chunk_intra import chunk_intra_fwd_kernel
-from kda.kernels.chunk_intra_bwd import chunk_intra_bwd_kernel
+from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
+from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.kernels.chunk_output import chunk_output_fwd_kernel
@@ -40,31 +40,35 @@ def report(fn, sig, cx, num_warps=4, num_stages=3, label='', maxnreg=None):
     lines = [l for l in out.splitlines() if 'registers' in l or 'spill' in l or 'stack' in l] or [out[-300:]]
     print(label, 'shared', k.metadata.shared, '|', ' | '.join(l.split('ptxas info    :')[-1].strip() for l in lines))
 
-common = dict(H=16, HV=16, K=128, V=128, BT=64, DOT_DTYPE=tl.bfloat16, IS_VARLEN=False)
 bf = '*bf16'
-which = sys.argv[1:] or ['fwd', 'bwd', 'state', 'stateb', 'out']
-if 'fwd' in which:
-    sig, cx = sig_for(chunk_intra_fwd_kernel, dict(q=bf, k=bf, v=bf, w=bf, u=bf, beta=bf), dict(BC=16, BK=64, BV=64, **common),
-                      ints=('T', 'NT'), floats=('scale',), nones=('cu_seqlens', 'chunk_indices'))
-    for w in (4, 8):
-        for st in (1, 2, 3):
-            report(chunk_intra_fwd_kernel, sig, cx, num_warps=w, num_stages=st, label=f'intra_fwd w{w} s{st}')
-if 'bwd' in which:
-    sig, cx = sig_for(chunk_intra_bwd_kernel, dict(q=bf, k=bf, v=bf, beta=bf, h=bf, v_new=bf, do=bf, dh=bf), dict(BC=16, BK=32, BV=32, **common),
-                      ints=('T', 'NT'), floats=('scale',), nones=('cu_seqlens', 'chunk_indices'))
-    for w in (4, 8):
-        for st in (1, 3):
-            report(chunk_intra_bwd_kernel, sig, cx, num_warps=w, num_stages=st, label=f'intra_bwd w{w} s{st}')
-if 'state' in which:
-    sig, cx = sig_for(chunk_state_fwd_kernel, dict(k=bf, w=bf, u=bf, h=bf, v_new=bf), dict(BK=128, BV=32, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, **common),
-                      ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0', 'ht'))
-    for w in (4, 8):
-        report(chunk_state_fwd_kernel, sig, cx, num_warps=w, num_stages=2, label=f'state_fwd w{w}')
-if 'stateb' in which:
-    sig, cx = sig_for(chunk_state_bwd_kernel, dict(q=bf, k=bf, w=bf, do=bf, dh=bf), dict(BK=128, BV=32, USE_FINAL_STATE_GRADIENT=False, STORE_INITIAL_STATE_GRADIENT=False, **common),
-                      ints=('T', 'NT', 'stride_sk', 'stride_sv'), floats=('scale',), nones=('cu_seqlens', 'chunk_offsets', 'dht', 'dh0'))
-    report(chunk_state_bwd_kernel, sig, cx, num_stages=2, label='state_bwd')
-if 'out' in which:
-    sig, cx = sig_for(chunk_output_fwd_kernel, dict(q=bf, h=bf, v_new=bf, o=bf), dict(BK=64, BV=64, **common),
-                      ints=('T', 'NT'), floats=('scale',), nones=('cu_seqlens', 'chunk_indices'))
-    report(chunk_output_fwd_kernel, sig, cx, label='output')
+common = dict(H=16, HV=16, K=128, V=128, BT=64, DOT_DTYPE=tl.bfloat16, IS_VARLEN=False)
+chunks = dict(ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices'))
+# name: (kernel, pointer dtypes, constexprs, other argument kinds, [(num_warps, num_stages, maxnreg)])
+KERNELS = {
+    'cumsum': (chunk_cumsum_kernel, {}, dict(HV=16, K=128, BT=64, BK=64, IS_VARLEN=False), chunks,
+               [(4, 2, None)]),
+    'pair_fwd': (chunk_pair_fwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=64, **{k: v for k, v in common.items() if k != 'V'}),
+                 dict(floats=('scale',), **chunks), [(4, 2, None), (4, 1, None), (2, 2, None), (8, 2, None)]),
+    'solve': (chunk_solve_kernel, dict(k=bf, v=bf, w=bf, u=bf, beta=bf), dict(BC=16, BK=64, BV=64, **common), chunks,
+              [(4, 2, None), (4, 1, None), (8, 2, None)]),
+    'intra_bwd': (chunk_intra_bwd_kernel, dict(q=bf, k=bf, v=bf, beta=bf, h=bf, v_new=bf, do=bf, dh=bf),
+                  dict(BK=32, BV=32, **common), dict(floats=('scale',), **chunks), [(4, 1, None), (8, 1, None)]),
+    'pair_bwd': (chunk_pair_bwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=32, **{k: v for k, v in common.items() if k != 'V'}),
+                 chunks, [(4, 1, None), (4, 2, None), (2, 1, None)]),
+    'gate_bwd': (chunk_gate_bwd_kernel, {}, dict(HV=16, K=128, BT=64, BK=32, IS_VARLEN=False), chunks, [(4, 2, None)]),
+    'state_fwd': (chunk_state_fwd_kernel, dict(k=bf, w=bf, u=bf, h=bf, v_new=bf),
+                  dict(BK=128, BV=32, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, **common),
+                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0', 'ht')),
+                  [(4, 2, None), (8, 2, None)]),
+    'state_bwd': (chunk_state_bwd_kernel, dict(q=bf, k=bf, w=bf, do=bf, dh=bf),
+                  dict(BK=128, BV=64, USE_FINAL_STATE_GRADIENT=False, STORE_INITIAL_STATE_GRADIENT=False, **common),
+                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), floats=('scale',), nones=('cu_seqlens', 'chunk_offsets', 'dht', 'dh0')),
+                  [(8, 2, None)]),
+    'output': (chunk_output_fwd_kernel, dict(q=bf, h=bf, v_new=bf, o=bf), dict(BK=64, BV=128, **common),
+               dict(floats=('scale',), **chunks), [(8, 3, None)]),
+}
+for name in sys.argv[1:] or KERNELS:
+    fn, ptrs, cx, kinds, launches = KERNELS[name]
+    sig, cx = sig_for(fn, ptrs, cx, **kinds)
+    for w, st, r in launches:
+        report(fn, sig, cx, num_warps=w, num_stages=st, maxnreg=r, label=f'{name} w{w} s{st}' + (f' r{r}' if r else ''))

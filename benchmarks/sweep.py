@@ -26,9 +26,11 @@ sys.path.insert(0, str(ROOT))
 from kda import chunk_kda  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
-KERNELS = {'intra_fwd': 'chunk_intra_fwd_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
+KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
+           'solve': 'chunk_solve_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
            'output': 'chunk_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
-           'intra_bwd': 'chunk_intra_bwd_kernel'}
+           'intra_bwd': 'chunk_intra_bwd_kernel', 'pair_bwd': 'chunk_pair_bwd_kernel',
+           'gate_bwd': 'chunk_gate_bwd_kernel'}
 
 
 def cfg(BK=None, BV=None, w=4, s=2, r=None):
@@ -36,20 +38,20 @@ def cfg(BK=None, BV=None, w=4, s=2, r=None):
 
 
 CANDIDATES = {
-    'intra_fwd': [cfg(64, 64, 8, 3), cfg(64, 64, 8, 2), cfg(64, 64, 4, 2), cfg(32, 32, 4, 2),
-                  cfg(64, 64, 4, 3, 128), cfg(32, 32, 4, 1, 128), cfg(64, 64, 8, 3, 128),
-                  cfg(32, 64, 4, 2, 168), cfg(64, 64, 2, 2)],
-    'intra_bwd': [cfg(32, 32, 8, 1), cfg(32, 32, 4, 1), cfg(32, 32, 4, 1, 128), cfg(32, 32, 8, 1, 128),
-                  cfg(64, 64, 8, 1), cfg(32, 32, 8, 2), cfg(16, 16, 4, 1), cfg(16, 16, 4, 1, 128)],
-    'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 16, 4, 2), cfg(None, 16, 4, 3), cfg(None, 64, 8, 2),
-                  cfg(None, 32, 8, 2), cfg(None, 32, 4, 3), cfg(None, 16, 2, 2)],
-    'state_bwd': [cfg(None, 32, 4, 2), cfg(None, 16, 4, 2), cfg(None, 16, 4, 3), cfg(None, 64, 8, 2),
-                  cfg(None, 32, 8, 2), cfg(None, 32, 4, 3), cfg(None, 16, 2, 2)],
-    'output': [cfg(64, 64, 4, 3), cfg(128, 64, 4, 3), cfg(64, 128, 8, 3), cfg(64, 32, 4, 3),
-               cfg(32, 64, 4, 2), cfg(128, 128, 8, 2), cfg(64, 64, 8, 3)],
+    'cumsum': [cfg(64, None, 4, 2), cfg(32, None, 4, 2), cfg(128, None, 8, 2), cfg(32, None, 2, 2)],
+    'pair_fwd': [cfg(64, None, 4, 2), cfg(64, None, 8, 2), cfg(32, None, 4, 2), cfg(64, None, 4, 1),
+                 cfg(32, None, 2, 2), cfg(64, None, 4, 3)],
+    'solve': [cfg(64, 64, 4, 2), cfg(64, 64, 8, 2), cfg(32, 32, 4, 2), cfg(128, 128, 8, 2), cfg(64, 64, 4, 1, 128)],
+    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 8, 1), cfg(64, 64, 8, 1), cfg(64, 32, 8, 1), cfg(32, 32, 4, 2)],
+    'pair_bwd': [cfg(32, None, 4, 1), cfg(32, None, 8, 1), cfg(64, None, 8, 1), cfg(16, None, 4, 1),
+                 cfg(32, None, 4, 2), cfg(16, None, 2, 1)],
+    'gate_bwd': [cfg(32, None, 4, 2), cfg(64, None, 4, 2), cfg(128, None, 8, 2), cfg(16, None, 2, 2)],
+    'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 8, 2), cfg(None, 64, 4, 2), cfg(None, 32, 8, 3)],
+    'state_bwd': [cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 8, 1), cfg(None, 64, 4, 2)],
+    'output': [cfg(64, 128, 8, 3), cfg(64, 64, 4, 3), cfg(128, 128, 8, 3), cfg(64, 128, 8, 2), cfg(32, 128, 8, 3)],
 }
-SHAPES = {'intra_fwd': [(8, 4096, 16)], 'intra_bwd': [(8, 4096, 16)], 'output': [(8, 4096, 16)],
-          'state_fwd': [(8, 4096, 16), (1, 32768, 32)], 'state_bwd': [(8, 4096, 16), (1, 32768, 32)]}
+SHAPES = {stage: [(8, 4096, 16)] for stage in CANDIDATES}
+SHAPES['state_fwd'] = SHAPES['state_bwd'] = [(8, 4096, 16), (1, 32768, 32)]
 
 
 def inputs(B, T, H):

@@ -12,6 +12,9 @@ The exponents ``c_i - c_j`` are never split into ``exp(c_i) * exp(-c_j)`` over a
 overflows once a chunk's decay passes float32's range. The chunk is cut into ``BC``-row
 sub-blocks: an off-diagonal block (I > J) factors through the last row ``r`` of block J,
 ``exp(c_i - r) * exp(r - c_j)``, both factors <= 1; a diagonal block is formed element by element.
+
+Three kernels, in order: ``chunk_cumsum_kernel`` (c), ``chunk_pair_fwd_kernel`` (Aqk and A', one
+program per row block of a chunk), ``chunk_solve_kernel`` (M, W, U, one program per chunk).
 """
 import triton
 import triton.language as tl
@@ -75,58 +78,84 @@ def unit_lower_inverse(b_A, BT: tl.constexpr):
 
 
 @triton.jit
-def chunk_intra_fwd_kernel(
-    q, k, v, g, beta,
-    gc, Aqk, Akk, Minv, w, u,
+def chunk_cumsum_kernel(
+    g, gc,
+    cu_seqlens, chunk_indices,
+    T, NT,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice. A positive log-decay
+    breaks the contract (g <= 0) that the safe factorizations rely on: its key channel becomes NaN
+    for the whole chunk, so this chunk's outputs and everything after are NaN rather than silently
+    wrong."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_c, i_hvk = tl.program_id(0), tl.program_id(1)
+    i_hv, i_k = i_hvk // NK, i_hvk % NK
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    b_g = clamp_log_decay(load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK))
+    b_c = tl.cumsum(b_g, axis=0)
+    b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)
+    store_tile(gc + start * HV * K + i_hv * K, b_c, 0, L, HV * K, i_k * BK, K, BT, BK)
+
+
+@triton.jit
+def chunk_pair_fwd_kernel(
+    q, k, gc, Aqk, Akk,
     cu_seqlens, chunk_indices,
     scale, T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Row block I of ``Aqk`` (scale included) and of ``A' = A / beta`` (both kept for the
+    backward): the diagonal block and the blocks J < I. One program per (chunk, I): the row
+    blocks are independent, and one program per chunk ran them one after another."""
+    NC: tl.constexpr = BT // BC
+    i_ci, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_ci // NC, i_ci % NC
+    i_h = i_hv // (HV // H)
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    q_base = q + start * H * K + i_h * K
+    k_base = k + start * H * K + i_h * K
+    gc_base = gc + start * HV * K + i_hv * K
+    A_base = Aqk + start * HV * BT + i_hv * BT
+    K_base = Akk + start * HV * BT + i_hv * BT
+
+    o_c = tl.arange(0, BC)
+    b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K, BC, 16)
+    b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
+    b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
+    store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
+    store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
+    for i_j in range(i_i):
+        b_qk, b_kk = intra_offdiag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, i_j, L,
+                                            K, BC, BK, DOT_DTYPE)
+        store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+        store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+
+
+@triton.jit
+def chunk_solve_kernel(
+    k, v, beta, gc, Akk, Minv, w, u,
+    cu_seqlens, chunk_indices,
+    T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
+    """``M = (I + diag(beta) A')^-1`` (stored for the backward), then ``W`` and ``U``."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
-
-    q_base = q + start * H * K + i_h * K
     k_base = k + start * H * K + i_h * K
     v_base = v + start * HV * V + i_hv * V
-    g_base = g + start * HV * K + i_hv * K
     gc_base = gc + start * HV * K + i_hv * K
-    A_base = Aqk + start * HV * BT + i_hv * BT
     K_base = Akk + start * HV * BT + i_hv * BT
     M_base = Minv + start * HV * BT + i_hv * BT
     o_t = tl.arange(0, BT)
-    b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
-
-    # Cumulative log-decay of the valid rows (rows past L are never stored and load as 0).
-    # A positive log-decay breaks the contract (g <= 0) that the safe factorizations below rely
-    # on: its key channel becomes NaN for the whole chunk, so this chunk's outputs and everything
-    # after are NaN rather than silently wrong.
-    for i_k in range(tl.cdiv(K, BK)):
-        b_g = clamp_log_decay(load_tile(g_base, 0, L, HV * K, i_k * BK, K, BT, BK))
-        b_c = tl.cumsum(b_g, axis=0)
-        b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)
-        store_tile(gc_base, b_c, 0, L, HV * K, i_k * BK, K, BT, BK)
-    tl.debug_barrier()
-
-    # Sub-block products: Aqk (scale included) and A' = A / beta, both kept for the backward.
-    # Run-time loops: unrolling the ten (I, J) pairs let the compiler hoist every pair's loads
-    # at once and spill 672 B a thread (ptxas -v, sm_90a, 4 warps); as loops at 8 warps, none.
     o_c = tl.arange(0, BC)
-    for i_i in range(BT // BC):
-        b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K, BC, 16)
-        b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
-        b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
-        store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
-        store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
-        for i_j in range(i_i):
-            b_qk, b_kk = intra_offdiag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, i_j, L,
-                                                K, BC, BK, DOT_DTYPE)
-            store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
-            store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
-    tl.debug_barrier()
+    b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
 
     # Block forward substitution over BC-row blocks: M_II = (I + A_II)^-1 row by row, then
     # M_IJ = -M_II sum_{J <= L < I} A_IL M_LJ from blocks already written to Minv. A row-by-row

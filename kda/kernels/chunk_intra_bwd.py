@@ -15,6 +15,10 @@ scale in dP; A' with a = k) give ``da_i = sum_j dP_ij b_j exp(c_i - c_j)``,
 ``db_j = sum_i dP_ij a_i exp(c_i - c_j)``, ``dc_i += a_i da_i``, ``dc_j -= b_j db_j``, computed in
 the same sub-blocks as the forward. ``c`` is a cumulative sum, so ``dg`` is the reverse cumulative
 sum of ``dc`` (``c_last`` feeds the last row), zero where the forward clamped ``g``.
+
+Three kernels, in order: ``chunk_intra_bwd_kernel`` (one program per chunk: everything above the
+pair products; dq, dk, dc so far), ``chunk_pair_bwd_kernel`` (one program per ``[BC, BK]`` tile:
+adds the pair-product terms), ``chunk_gate_bwd_kernel`` (dc -> dg).
 """
 import triton
 import triton.language as tl
@@ -80,12 +84,12 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
 
 @triton.jit
 def chunk_intra_bwd_kernel(
-    q, k, v, g, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
+    q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
     dq, dk, dv, dbeta, dg, dAqk, dAkk,
     cu_seqlens, chunk_indices,
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -96,7 +100,6 @@ def chunk_intra_bwd_kernel(
     q_base = q + start * H * K + i_h * K
     k_base = k + start * H * K + i_h * K
     v_base = v + start * HV * V + i_hv * V
-    g_base = g + start * HV * K + i_hv * K
     gc_base = gc + start * HV * K + i_hv * K
     vn_base = v_new + start * HV * V + i_hv * V
     dvn_base = dv_new + start * HV * V + i_hv * V
@@ -176,30 +179,68 @@ def chunk_intra_bwd_kernel(
     b_db += tl.sum(tl.where(m_strict, b_dA * b_Akk, 0.), axis=1)
     tl.store(dbeta + (start + o_t) * HV + i_hv, b_db, mask=o_t < L)
     store_tile(dAkk + P_off, b_dA * b_beta[:, None], 0, L, HV * BT, 0, BT, BT, BT)
-    tl.debug_barrier()
 
-    # Run-time loops over the sub-blocks (as in the forward, unrolling them raised spills).
+
+@triton.jit
+def chunk_pair_bwd_kernel(
+    q, k, gc, dAqk, dAkk, dq, dk, dg,
+    cu_seqlens, chunk_indices,
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """The pair-matrix gradients of one ``[BC, BK]`` tile (sub-block X, key slice i_k) of a chunk,
+    added to the dq, dk and dc that ``chunk_intra_bwd_kernel`` stored. One program per tile rather
+    than a loop over tiles inside the chunk's program: the tiles are independent, and the chunk's
+    program ran them one after another at one program per SM (ptxas: 255 registers)."""
     NC: tl.constexpr = BT // BC
-    for X in range(NC):
-        for i_k in range(tl.cdiv(K, BK)):
-            b_qX = load_tile(q_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
-            b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
-            b_cX = load_tile(gc_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-            b_dq1, b_dk2 = pair_row_grads(dAqk + P_off, dAkk + P_off, k_base, gc_base, X, b_cX, i_k, L,
-                                          HV * BT, H * K, HV * K, K, BC, BK, DOT_DTYPE)
-            b_dkc = pair_col_grads(dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X, b_cX, i_k, L,
-                                   HV * BT, H * K, HV * K, K, BC, NC, BK, DOT_DTYPE)
-            b_dqX = load_tile(dq_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dq1
-            b_dkX = load_tile(dk_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dk2 + b_dkc
-            b_dcX = (load_tile(dg_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-                     + b_qX * b_dq1 + b_kX * (b_dk2 - b_dkc))
-            store_tile(dq_base, b_dqX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-            store_tile(dk_base, b_dkX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-            store_tile(dg_base, b_dcX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-    tl.debug_barrier()
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_cx, i_hvk = tl.program_id(0), tl.program_id(1)
+    i_c, X = i_cx // NC, i_cx % NC
+    i_hv, i_k = i_hvk // NK, i_hvk % NK
+    i_h = i_hv // (HV // H)
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    q_base = q + start * H * K + i_h * K
+    k_base = k + start * H * K + i_h * K
+    gc_base = gc + start * HV * K + i_hv * K
+    P_off = start * HV * BT + i_hv * BT
+    dq_base = dq + start * HV * K + i_hv * K
+    dk_base = dk + start * HV * K + i_hv * K
+    dg_base = dg + start * HV * K + i_hv * K
 
-    for i_k in range(tl.cdiv(K, BK)):
-        b_dc = load_tile(dg_base, 0, L, HV * K, i_k * BK, K, BT, BK)
-        b_g = load_tile(g_base, 0, L, HV * K, i_k * BK, K, BT, BK)
-        b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
-        store_tile(dg_base, tl.where(b_g >= LOG_DECAY_FLOOR, b_dg, 0.), 0, L, HV * K, i_k * BK, K, BT, BK)
+    b_qX = load_tile(q_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
+    b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
+    b_cX = load_tile(gc_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+    b_dq1, b_dk2 = pair_row_grads(dAqk + P_off, dAkk + P_off, k_base, gc_base, X, b_cX, i_k, L,
+                                  HV * BT, H * K, HV * K, K, BC, BK, DOT_DTYPE)
+    b_dkc = pair_col_grads(dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X, b_cX, i_k, L,
+                           HV * BT, H * K, HV * K, K, BC, NC, BK, DOT_DTYPE)
+    b_dqX = load_tile(dq_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dq1
+    b_dkX = load_tile(dk_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dk2 + b_dkc
+    b_dcX = (load_tile(dg_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+             + b_qX * b_dq1 + b_kX * (b_dk2 - b_dkc))
+    store_tile(dq_base, b_dqX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+    store_tile(dk_base, b_dkX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+    store_tile(dg_base, b_dcX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+
+
+@triton.jit
+def chunk_gate_bwd_kernel(
+    g, dg,
+    cu_seqlens, chunk_indices,
+    T, NT,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """``dg`` from ``dc`` (in place): ``c`` is the in-chunk cumulative sum of ``g``, so
+    ``dg_i = sum_{j >= i} dc_j``; zero where the forward clamped ``g`` at the floor."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_c, i_hvk = tl.program_id(0), tl.program_id(1)
+    i_hv, i_k = i_hvk // NK, i_hvk % NK
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    dg_base = dg + start * HV * K + i_hv * K
+    b_dc = load_tile(dg_base, 0, L, HV * K, i_k * BK, K, BT, BK)
+    b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
+    b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
+    store_tile(dg_base, tl.where(b_g >= LOG_DECAY_FLOOR, b_dg, 0.), 0, L, HV * K, i_k * BK, K, BT, BK)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_intra import chunk_intra_fwd_kernel
-from kda.kernels.chunk_intra_bwd import chunk_intra_bwd_kernel
+from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
+from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_output import chunk_output_fwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
@@ -58,17 +58,18 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None, device)
 
 # Launch configuration of each chunk kernel: block sizes (capped by the head dims at launch) and
 # Triton launch options. Chosen on the H200 with benchmarks/sweep.py (figures in BENCHMARKS.md);
-# the sweep edits this table in place to time alternatives.
-#   state_*: the state slice [K, BV] float32 lives in registers; BV = 32 (not 64) doubles the
-#            programs of the sequential stages (512 at (B, H) = (8, 16), K = V = 128, 132 SMs).
-#   intra_bwd: 32-wide slices and no pipelining spill 200 B a thread (triton 3.6, ptxas -v,
-#            sm_90a), where 3 stages spilled 536 B and 64-wide slices 2.3 KB.
+# the sweep edits this table in place to time alternatives. The state slice [K, BV] of the
+# sequential stages lives in registers in float32.
 TUNING = {
-    'intra_fwd': dict(BK=64, BV=64, num_warps=8, num_stages=3),
+    'cumsum': dict(BK=64, num_warps=4),
+    'pair_fwd': dict(BK=64, num_warps=4, num_stages=2),
+    'solve': dict(BK=64, BV=64, num_warps=4, num_stages=2),
     'state_fwd': dict(BV=32, num_warps=4, num_stages=2),
-    'output': dict(BK=64, BV=64, num_warps=4, num_stages=3),
-    'state_bwd': dict(BV=32, num_warps=4, num_stages=2),
-    'intra_bwd': dict(BK=32, BV=32, num_warps=8, num_stages=1),
+    'output': dict(BK=64, BV=128, num_warps=8, num_stages=3),
+    'state_bwd': dict(BV=64, num_warps=8, num_stages=2),
+    'intra_bwd': dict(BK=32, BV=32, num_warps=4, num_stages=1),
+    'pair_bwd': dict(BK=32, num_warps=4, num_stages=1),
+    'gate_bwd': dict(BK=32, num_warps=4),
 }
 
 
@@ -109,9 +110,15 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     Minv = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
     w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
     u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    chunk_intra_fwd_kernel[(layout.total, HV)](
-        q, k, v, g, beta, gc, Aqk, Akk, Minv, w, u, cu_seqlens, layout.indices, scale, T, layout.NT,
-        BC=BC, **launch_config('intra_fwd', K, V), **common)
+    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
+    cfg = launch_config('cumsum', K, V)
+    chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
+        g, gc, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'], **chunks, **cfg)
+    chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
+        q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'],
+        IS_VARLEN=common['IS_VARLEN'], **chunks, **launch_config('pair_fwd', K, V))
+    chunk_solve_kernel[(layout.total, HV)](
+        k, v, beta, gc, Akk, Minv, w, u, BC=BC, **common, **chunks, **launch_config('solve', K, V))
 
     blocks = launch_config('state_fwd', K, V)
     h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
@@ -171,9 +178,18 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dAqk = torch.empty_like(Aqk)
     dAkk = torch.empty_like(Akk)
     chunk_intra_bwd_kernel[(layout.total, HV)](
-        q, k, v, g, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
+        q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
         dq, dk, dv, dbeta, dg, dAqk, dAkk, cu_seqlens, layout.indices, scale, T, layout.NT,
-        BC=BC, **launch_config('intra_bwd', K, V), **common)
+        **launch_config('intra_bwd', K, V), **common)
+    cfg = launch_config('pair_bwd', K, V)
+    chunk_pair_bwd_kernel[(layout.total * (BT // BC), HV * cdiv(K, cfg['BK']))](
+        q, k, gc, dAqk, dAkk, dq, dk, dg, cu_seqlens, layout.indices, T, layout.NT,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'], IS_VARLEN=common['IS_VARLEN'],
+        **cfg)
+    cfg = launch_config('gate_bwd', K, V)
+    chunk_gate_bwd_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
+        g, dg, cu_seqlens, layout.indices, T, layout.NT,
+        HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'], **cfg)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
