@@ -1,35 +1,87 @@
 #!/usr/bin/env bash
-# Everything a GPU session needs in one device call: the test suite on CUDA, then the benchmark.
-#   bash benchmarks/gpu_session.sh     (writes gpu.txt, pytest.log, bench.log, results.md to $OUT or out/)
-# Environment: SHARDS (parallel pytest processes, default 8: on the H200 host the suite's time is
-# mostly single-threaded kernel compiles), TEST_SECONDS / BENCH_SECONDS (limits; 0 skips the step),
-# BENCH_ARGS (arguments for bench.py, e.g. "--parts fwd,decode --no-fla").
+# Everything a GPU session needs in one device call: the test suite on CUDA and the benchmark.
+#   bash benchmarks/gpu_session.sh        (writes to $OUT, default out/)
+#
+# Phase 1, in parallel: the test suite in SHARDS pytest processes (default 14; its time is mostly
+# single-threaded kernel compiles) and, when FLA is there, one benchmarks/warm_fla.py process per
+# FLA tuning case, so that FLA's autotuner (60-100 s per head count, run one after another inside
+# bench.py) runs side by side; its picks are cached on disk for phase 2. These processes share the
+# GPUs, so FLA's autotuner times its candidates on a busy GPU (its picks may differ from an idle
+# one's).
+# Phase 2: bench.py, each GPU timing its own parts on an otherwise idle GPU.
+# Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; TEST_SECONDS=0 skips
+# the tests), BENCH_ARGS (extra bench.py arguments). At most 8 files come back from a device
+# call: pytest.log, warm.log, bench.<gpu>.log, results.<gpu>.md, gpu.txt, the plot.
 # FLA comes from a carried wheel when .whl/ holds one (see benchmarks/FLA_NOTES.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+FLA=0
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} && FLA=1
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
-SHARDS=${SHARDS:-8}
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+SHARDS=${SHARDS:-14}
+start=$(date +%s)
+
+pids=()
 if [ "${TEST_SECONDS:-300}" != 0 ]; then
-    start=$(date +%s)
     for i in $(seq 0 $((SHARDS - 1))); do
-        timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider --durations=5 \
-            --shard "$i/$SHARDS" tests > "$OUT/pytest.$i.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${TEST_SECONDS:-300}" python3 -m pytest -q \
+            -p no:cacheprovider --durations=3 --shard "$i/$SHARDS" tests > "$OUT/pytest.$i.log" 2>&1 &
+        pids+=($!)
     done
-    wait
-    cat "$OUT"/pytest.*.log > "$OUT/pytest.log"
-    echo "tests: $(( $(date +%s) - start )) s"
-    grep -hE "passed|failed|error" "$OUT"/pytest.*.log | grep -E "^(=|[0-9])" | tail -n "$SHARDS"
-    grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
 fi
-if [ "${BENCH_SECONDS:-300}" != 0 ]; then
-    timeout "${BENCH_SECONDS:-300}" python3 benchmarks/bench.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
-        | tee "$OUT/bench.log" | tail -100
+if [ "$FLA" = 1 ]; then
+    i=0
+    for kind in fwd gate_fwd; do
+        for shape in 8,4096,16 1,32768,32 1,8192,96 varlen; do
+            CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${WARM_SECONDS:-300}" \
+                python3 benchmarks/warm_fla.py "$kind:$shape" > "$OUT/warm.$i.log" 2>&1 &
+            pids+=($!); i=$((i + 1))
+        done
+    done
+    for kind in fwdbwd gate_fwdbwd; do
+        for shape in 8,4096,16 1,32768,32; do
+            CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${WARM_SECONDS:-300}" \
+                python3 benchmarks/warm_fla.py "$kind:$shape" > "$OUT/warm.$i.log" 2>&1 &
+            pids+=($!); i=$((i + 1))
+        done
+    done
 fi
+for p in "${pids[@]}"; do wait "$p"; done
+echo "phase 1 (tests, FLA warm-up): $(( $(date +%s) - start )) s"
+if compgen -G "$OUT/pytest.*.log" > /dev/null; then
+    cat "$OUT"/pytest.*.log > "$OUT/pytest.log" && rm "$OUT"/pytest.*.log
+    grep -hE "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Timeout|Terminated" "$OUT/pytest.log"
+fi
+if compgen -G "$OUT/warm.*.log" > /dev/null; then
+    cat "$OUT"/warm.*.log > "$OUT/warm.log" && rm "$OUT"/warm.*.log
+    grep -h "^warm" "$OUT/warm.log"
+fi
+
+ALL=fwd,gate_fwd,fwdbwd,gate_fwdbwd,profile,decode,throughput
+if [ "$GPUS" -ge 2 ]; then
+    PARTS=(fwd,gate_fwd,profile fwdbwd,gate_fwdbwd,decode,throughput)
+else
+    PARTS=($ALL)
+fi
+pids=()
+for g in "${!PARTS[@]}"; do
+    mkdir -p "$OUT/b$g"
+    CUDA_VISIBLE_DEVICES=$g timeout "${BENCH_SECONDS:-300}" python3 benchmarks/bench.py --out "$OUT/b$g" \
+        --parts "${PARTS[$g]}" ${BENCH_ARGS:-} > "$OUT/bench.$g.log" 2>&1 &
+    pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for g in "${!PARTS[@]}"; do
+    [ -f "$OUT/b$g/results.md" ] && mv "$OUT/b$g/results.md" "$OUT/results.$g.md"
+    [ -f "$OUT/b$g/forward_throughput.png" ] && mv "$OUT/b$g/forward_throughput.png" "$OUT/"
+    rmdir "$OUT/b$g" 2>/dev/null
+    cat "$OUT/bench.$g.log" | grep -v -i warn
+done
+echo "total: $(( $(date +%s) - start )) s"

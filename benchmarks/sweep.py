@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kda import chunk_kda  # noqa: E402
+sys.path.insert(0, str(ROOT / 'benchmarks'))
+import bench  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
 KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
@@ -38,35 +40,34 @@ def cfg(BK=None, BV=None, w=4, s=2, r=None):
 
 
 CANDIDATES = {
-    'cumsum': [cfg(64, None, 4, 2), cfg(32, None, 4, 2), cfg(128, None, 8, 2), cfg(32, None, 2, 2)],
-    'pair_fwd': [cfg(64, None, 4, 2), cfg(64, None, 8, 2), cfg(32, None, 4, 2), cfg(64, None, 4, 1),
-                 cfg(32, None, 2, 2), cfg(64, None, 4, 3)],
-    'solve': [cfg(64, 64, 4, 2), cfg(64, 64, 8, 2), cfg(32, 32, 4, 2), cfg(128, 128, 8, 2), cfg(64, 64, 4, 1, 128)],
-    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 8, 1), cfg(64, 64, 8, 1), cfg(64, 32, 8, 1), cfg(32, 32, 4, 2)],
-    'pair_bwd': [cfg(32, None, 4, 1), cfg(32, None, 8, 1), cfg(64, None, 8, 1), cfg(16, None, 4, 1),
-                 cfg(32, None, 4, 2), cfg(16, None, 2, 1)],
-    'gate_bwd': [cfg(32, None, 4, 2), cfg(64, None, 4, 2), cfg(128, None, 8, 2), cfg(16, None, 2, 2)],
-    'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 8, 2), cfg(None, 64, 4, 2), cfg(None, 32, 8, 3)],
-    'state_bwd': [cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 8, 1), cfg(None, 64, 4, 2)],
-    'output': [cfg(64, 128, 8, 3), cfg(64, 64, 4, 3), cfg(128, 128, 8, 3), cfg(64, 128, 8, 2), cfg(32, 128, 8, 3)],
+    'cumsum': [cfg(64, None, 4, 2)],
+    'pair_fwd': [cfg(64, None, 4, 2), cfg(64, None, 4, 3), cfg(32, None, 4, 2), cfg(32, None, 2, 2),
+                 cfg(64, None, 8, 2), cfg(16, None, 2, 2)],
+    'solve': [cfg(64, 64, 4, 2)],
+    'intra_bwd': [cfg(32, 32, 4, 1)],
+    'pair_bwd': [cfg(32, None, 4, 1), cfg(32, None, 4, 2), cfg(16, None, 2, 1), cfg(64, None, 8, 1),
+                 cfg(64, None, 4, 2), cfg(16, None, 4, 1)],
+    'gate_bwd': [cfg(32, None, 4, 2)],
+    'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 2)],
+    'state_bwd': [cfg(None, 64, 8, 2), cfg(None, 32, 4, 2)],
+    'output': [cfg(64, 128, 8, 3)],
 }
-SHAPES = {stage: [(8, 4096, 16)] for stage in CANDIDATES}
-SHAPES['state_fwd'] = SHAPES['state_bwd'] = [(8, 4096, 16), (1, 32768, 32)]
+# (B, T, H, Kimi lower-bound gate)
+SHAPES = {stage: [(8, 4096, 16, False)] for stage in CANDIDATES}
+SHAPES['pair_fwd'] = [(8, 4096, 16, False), (8, 4096, 16, True)]
+SHAPES['state_fwd'] = SHAPES['state_bwd'] = [(8, 4096, 16, False), (1, 32768, 32, False), (1, 8192, 96, False)]
 
 
-def inputs(B, T, H):
-    gen = torch.Generator(device='cuda').manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen, device='cuda')  # noqa: E731
-    bf = torch.bfloat16
-    leaves = dict(q=r(B, T, H, 128).to(bf), k=r(B, T, H, 128).to(bf), v=r(B, T, H, 128).to(bf),
-                  g=torch.nn.functional.logsigmoid(r(B, T, H, 128) + 3.0) * 2.0,
-                  beta=torch.sigmoid(r(B, T, H)).to(bf))
-    leaves = {n: x.requires_grad_() for n, x in leaves.items()}
-    return leaves, torch.randn_like(leaves['v'])
+def inputs(B, T, H, gate=False):
+    """bench.py's inputs (bf16, K = V = 128); ``gate``: the Kimi lower-bound gate configuration."""
+    inp, opts = bench._chunk_inputs(B, T, H, gate=gate)
+    leaves = {n: x.detach().requires_grad_() for n, x in inp.items()}
+    return (leaves, opts), torch.randn_like(leaves['v'])
 
 
-def step(leaves, do):
-    o, _ = chunk_kda(**leaves, use_qk_l2norm_in_kernel=True)
+def step(leaves_opts, do):
+    leaves, opts = leaves_opts
+    o, _ = chunk_kda(**leaves, **opts)
     o.backward(do)
 
 
@@ -121,7 +122,7 @@ def main():
         pr.wait()
     print(f"compiled {len(todo)} configurations in {time.time() - t0:.0f} s", flush=True)
 
-    print('| stage | (B, T, H) | BK | BV | warps | stages | maxnreg | kernel ms |')
+    print('| stage | (B, T, H, gate) | BK | BV | warps | stages | maxnreg | kernel ms |')
     print('| --- | --- | --- | --- | --- | --- | --- | --- |')
     for stage, c, shape in todo:
         chunk_ops.TUNING[stage] = CANDIDATES[stage][c]

@@ -253,13 +253,20 @@ def test_forward_K32_V100():
 
 
 @requires_kernels
-@pytest.mark.parametrize('gate', ['A_log+dt_bias', 'lower_bound'])
+@pytest.mark.parametrize('gate', ['A_log+dt_bias', 'lower_bound', 'lower_bound_saturated'])
 def test_gate_and_beta_in_kernel(gate):
     """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of API.md written out here
-    in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias."""
+    in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias.
+    'lower_bound_saturated': lower_bound = -5 with raw gates driving whole 16-row blocks to -5 per
+    step, the widest decay span (75) the factored diagonal blocks of the bounded gate take."""
     B, T, H, HV, K, V = 1, 40, 1, 2, 16, 16
+    chunk_size, lb = 32, -3.0
+    if gate == 'lower_bound_saturated':
+        T, K, V, chunk_size, lb = 80, 32, 16, 64, -5.0
     x = make_inputs(B, T, H, HV, K, V)
     x['g'] = torch.randn(B, T, HV, K)                     # raw gate
+    if gate == 'lower_bound_saturated':
+        x['g'][:, 16:48] = 40.                             # sigmoid -> 1: steps of -5
     x['beta'] = 2 * torch.randn(B, T, HV)                  # logits
     s0 = make_state(B, HV, K, V)
     extra = dict(dt_bias=0.5 * torch.randn(HV * K))
@@ -267,10 +274,11 @@ def test_gate_and_beta_in_kernel(gate):
         extra['A_log'] = torch.randn(HV)
         opts = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     else:
-        opts = dict(use_gate_in_kernel=True, lower_bound=-3.0, use_beta_sigmoid_in_kernel=True,
+        opts = dict(use_gate_in_kernel=True, lower_bound=lb, use_beta_sigmoid_in_kernel=True,
                     allow_neg_eigval=True)
     leaves = {n: t.clone().to(KDEV).requires_grad_() for n, t in dict(x, **extra).items()}
-    o, ht = chunk_kda(**leaves, initial_state=s0.to(KDEV), output_final_state=True, chunk_size=32, **opts)
+    o, ht = chunk_kda(**leaves, initial_state=s0.to(KDEV), output_final_state=True,
+                      chunk_size=chunk_size, **opts)
     do, dht = torch.randn(o.shape), torch.randn(ht.shape)
     names = list(leaves)
     gk = torch.autograd.grad((o * do.to(KDEV)).sum() + (ht * dht.to(KDEV)).sum(), [leaves[n] for n in names])
@@ -281,7 +289,7 @@ def test_gate_and_beta_in_kernel(gate):
         g = -L['A_log'].exp()[:, None] * F.softplus(z)
         beta = torch.sigmoid(L['beta'])
     else:
-        g = -3.0 * torch.sigmoid(z)
+        g = lb * torch.sigmoid(z)
         beta = 2 * torch.sigmoid(L['beta'])
     ro, rht = naive_recurrent_kda(L['q'], L['k'], L['v'], g, beta, initial_state=to64(s0),
                                   output_final_state=True)
@@ -354,6 +362,29 @@ def test_strong_decay(chunk_size, pattern, lengths):
     floor = errors(fo, fht, fgd, ro, rht, rgd)
     print(f"\nfloat32-cumsum floor: " + ' '.join(f"{n}={e:.1e}" for n, e in floor.items()))
     assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"strong decay {pattern} BT={chunk_size}")
+
+
+@requires_kernels
+@pytest.mark.parametrize('drop', [-58., -61., 'mixed'])
+def test_diagonal_block_paths(drop):
+    """Diagonal sub-blocks factor through their middle row r (row 7 of 16; tensor cores) when every
+    row's cumulative decay is within DIAG_SPAN = 60 of r's, else use the element-wise path. Mild
+    steps of -0.1 with one drop right after r in every block put the block's last row
+    |drop| + 0.8 from r: 58.8 (factored) or 61.8 (element-wise); 'mixed' drops -61 on half the key
+    channels, so one block takes both paths in different key slices. Bound as in
+    test_strong_decay (the drops push the float32 in-chunk sums to ~-250)."""
+    B, T, HV, K, V = 1, 80, 2, 128, 32
+    x = make_inputs(B, T, 1, HV, K, V)
+    x['g'][:] = -0.1
+    channels = slice(0, K // 2) if drop == 'mixed' else slice(None)
+    x['g'][:, 8::16, :, channels] = -61. if drop == 'mixed' else drop
+    s0 = make_state(B, HV, K, V)
+    o, ht, gd, do, dht = run_chunk(x, s0, chunk_size=64)
+    ro, rht, rgd = run_ref(x, s0, do, dht)
+    errs = errors(o, ht, gd, ro, rht, rgd)
+    fo, fht, fgd = _cumsum_floor(x, s0, do, dht, 64)
+    floor = errors(fo, fht, fgd, ro, rht, rgd)
+    assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"diagonal blocks, drop = {drop}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,24 +486,30 @@ def test_agrees_with_fused_recurrent(varlen):
 
 @requires_kernels
 @pytest.mark.parametrize('t,chunk_size', [(20, 32), (37, 32), (40, 64)])
-@pytest.mark.parametrize('kind', ['random', 'large'])
+@pytest.mark.parametrize('kind', ['random', 'large', 'bounded_gate'])
 def test_causality(t, chunk_size, kind):
     """Changing q, k, v, g, beta at positions > t leaves outputs at positions <= t bit-identical,
     also when t falls inside a chunk (future gates, keys and values must not leak through the
-    in-chunk matrices, the solve or the masked tiles)."""
+    in-chunk matrices, the solve or the masked tiles). 'bounded_gate': the lower-bound gate, whose
+    diagonal blocks take the factored tensor-core path (raw gates, future ones saturating at -5)."""
     B, T, H, HV, K, V = 1, 45, 1, 2, 32, 32
     x = make_inputs(B, T, H, HV, K, V)
     y = make_inputs(B, T, H, HV, K, V)          # fresh values for the future
+    opts = {}
     if kind == 'large':                          # large but finite everywhere downstream
         y['v'] = y['v'] * 1e15
         y['q'] = y['q'] * 1e8
         y['g'] = torch.where(torch.rand_like(y['g']) < 0.3, torch.full_like(y['g'], -1e4), y['g'] * 30)
         y['beta'] = torch.ones_like(y['beta'])
+    if kind == 'bounded_gate':
+        x['g'], y['g'] = torch.randn_like(x['g']), 50 * torch.rand_like(y['g'])
+        opts = dict(use_gate_in_kernel=True, A_log=torch.zeros(HV, device=KDEV), lower_bound=-5.0,
+                    safe_gate=True)
     z = {n: torch.cat([x[n][:, :t + 1], y[n][:, t + 1:]], 1) for n in x}
     s0 = make_state(B, HV, K, V)
     with torch.no_grad():
-        o1, _ = chunk_kda(**_dev(x, KDEV), initial_state=s0.to(KDEV), chunk_size=chunk_size)
-        o2, _ = chunk_kda(**_dev(z, KDEV), initial_state=s0.to(KDEV), chunk_size=chunk_size)
+        o1, _ = chunk_kda(**_dev(x, KDEV), initial_state=s0.to(KDEV), chunk_size=chunk_size, **opts)
+        o2, _ = chunk_kda(**_dev(z, KDEV), initial_state=s0.to(KDEV), chunk_size=chunk_size, **opts)
     assert torch.isfinite(o2).all()
     assert torch.equal(o1[:, :t + 1], o2[:, :t + 1]), \
         f"outputs at <= t changed: max diff {(o1[:, :t + 1] - o2[:, :t + 1]).abs().max()}"

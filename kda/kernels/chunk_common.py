@@ -127,3 +127,37 @@ LOG_DECAY_FLOOR = tl.constexpr(-104.0)
 def clamp_log_decay(g):
     # tl.where, not tl.maximum, which would turn a NaN input into the floor.
     return tl.where(g < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, g)
+
+
+# Diagonal sub-blocks in the backward: exp(c_i - c_j) = exp(c_i - r) exp(r - c_j) through the
+# block's middle row r is exact and runs on the tensor cores, but a factor exceeds 1 on one side of
+# r. Taken only where every valid row of the slice lies within DIAG_SPAN of r: exp(60) = 1.1e26
+# leaves 1e12 of float32 and bfloat16 range for what the factor multiplies (keys, pair-matrix
+# gradients), and exp(-60) times a key stays far above their smallest normal (1e-38). Not for
+# float16 operands: their range (6e-5 .. 65504) is exceeded by exp(+-11), and already at spans of
+# ~8 the small factor pushed operands into subnormals (interpreter: dg error 1.3e-3 against a
+# 1.0e-3 bound). The forward does not use this data-dependent choice: it depends on every row of
+# the block, so an output's rounding would depend on later rows' gates (see chunk_intra.py).
+DIAG_SPAN = tl.constexpr(60.0)
+
+
+@triton.jit
+def diag_reference(b_c, gc_base, gc_stride, i_x, L, col0, n_cols, BC: tl.constexpr, BK: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr):
+    """For diagonal sub-block ``i_x`` with cumulative decays ``b_c`` ``[BC, BK]``: the middle valid
+    row ``r``, the valid-row mask, and whether the factored form may be used (every valid row
+    within ``DIAG_SPAN`` of ``r``, and operands that are not float16)."""
+    o_r = i_x * BC + tl.arange(0, BC)
+    b_r = load_row(gc_base, tl.minimum(i_x * BC + BC // 2 - 1, L - 1), L, gc_stride, col0, n_cols, BK)
+    m_r = (o_r < L)[:, None]
+    ok = tl.max(tl.where(m_r, tl.abs(b_c - b_r[None, :]), 0.)) <= DIAG_SPAN
+    if DOT_DTYPE == tl.float16:
+        ok = False
+    return b_r, m_r, ok
+
+
+@triton.jit
+def diag_factors(b_c, b_r, m_r):
+    """``(exp(c - r), exp(r - c))`` on the valid rows, 0 elsewhere (see ``diag_reference``)."""
+    b_d = b_c - b_r[None, :]
+    return tl.where(m_r, tl.exp(b_d), 0.), tl.where(m_r, tl.exp(-b_d), 0.)

@@ -11,7 +11,9 @@ For one chunk and value head, with ``c_i = g_1 + ... + g_i`` (in-chunk cumulativ
 The exponents ``c_i - c_j`` are never split into ``exp(c_i) * exp(-c_j)`` over a whole chunk, which
 overflows once a chunk's decay passes float32's range. The chunk is cut into ``BC``-row
 sub-blocks: an off-diagonal block (I > J) factors through the last row ``r`` of block J,
-``exp(c_i - r) * exp(r - c_j)``, both factors <= 1; a diagonal block is formed element by element.
+``exp(c_i - r) * exp(r - c_j)``, both factors <= 1. A diagonal block factors through its first row
+when the gate is bounded (lower_bound: a factor stays below exp(75)), and is formed element by
+element otherwise.
 
 Three kernels, in order: ``chunk_cumsum_kernel`` (c), ``chunk_pair_fwd_kernel`` (Aqk and A', one
 program per row block of a chunk), ``chunk_solve_kernel`` (M, W, U, one program per chunk).
@@ -19,8 +21,8 @@ program per row block of a chunk), ``chunk_solve_kernel`` (M, W, U, one program 
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_nonpos, load_row, load_tile,
-                                      mm, store_tile)
+from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, diag_factors, exp_nonpos, load_row,
+                                      load_tile, mm, store_tile)
 
 
 @triton.jit
@@ -47,20 +49,39 @@ def intra_offdiag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, i
 
 @triton.jit
 def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K: tl.constexpr,
-                        BC: tl.constexpr, BKD: tl.constexpr):
-    """The same for the diagonal block ``I = J``, where no reference row keeps both factors <= 1:
-    ``exp(c_i - c_j)`` element by element as a ``[BC, BC, BKD]`` block per ``BKD`` key channels
-    (entries j > i are garbage). Narrow slices keep the block small (BKD = 64 spilled registers);
-    a column-at-a-time loop instead made BC dependent steps of row loads per slice."""
+                        BC: tl.constexpr, BK: tl.constexpr, FACTORED: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr):
+    """The same for the diagonal block ``I = J`` (entries j > i are garbage).
+
+    ``FACTORED`` (the gate is bounded: every step's log-decay >= -5): through the block's first
+    row r on the tensor cores, ``exp(c_i - r) <= 1`` times ``exp(r - c_j) <= exp(15 * 5)``
+    = 3.7e32, within float32/bfloat16 range; an entry j <= i is the true decayed product, only the
+    masked entries j > i can overflow. r is the block's first row so that no row's rounding
+    depends on a later row (bit-exact causality). Otherwise ``exp(c_i - c_j)`` element by
+    element as ``[BC, BC, 16]`` blocks (a column-at-a-time loop made BC dependent steps of row
+    loads; 64-wide 3-D blocks spilled registers)."""
+    BKD: tl.constexpr = 16
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BKD)):
-        b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
-        b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
-        b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BKD, K, BC, BKD)
-        b_kje = b_k[None, :, :] * exp_nonpos(b_c[:, None, :] - b_c[None, :, :])
-        b_qk += tl.sum(b_q[:, None, :] * b_kje, axis=2)
-        b_kk += tl.sum(b_k[:, None, :] * b_kje, axis=2)
+    if FACTORED:
+        m_r = ((i_i * BC + tl.arange(0, BC)) < L)[:, None]
+        for i_k in range(tl.cdiv(K, BK)):
+            b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+            b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+            b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
+            b_r = load_row(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BK)
+            b_up, b_dn = diag_factors(b_c, b_r, m_r)
+            b_kdt = tl.trans(b_k * b_dn)
+            b_qk += mm(b_q * b_up, b_kdt, DOT_DTYPE)
+            b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
+    else:
+        for i_k in range(tl.cdiv(K, BKD)):
+            b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
+            b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
+            b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BKD, K, BC, BKD)
+            b_kje = b_k[None, :, :] * exp_nonpos(b_c[:, None, :] - b_c[None, :, :])
+            b_qk += tl.sum(b_q[:, None, :] * b_kje, axis=2)
+            b_kk += tl.sum(b_k[:, None, :] * b_kje, axis=2)
     return b_qk, b_kk
 
 
@@ -106,7 +127,7 @@ def chunk_pair_fwd_kernel(
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FACTORED_DIAG: tl.constexpr, DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Row block I of ``Aqk`` (scale included) and of ``A' = A / beta`` (both kept for the
     backward): the diagonal block and the blocks J < I. One program per (chunk, I): the row
@@ -123,7 +144,8 @@ def chunk_pair_fwd_kernel(
     K_base = Akk + start * HV * BT + i_hv * BT
 
     o_c = tl.arange(0, BC)
-    b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K, BC, 16)
+    b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K, BC, BK,
+                                     FACTORED_DIAG, DOT_DTYPE)
     b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
     b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
     store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)

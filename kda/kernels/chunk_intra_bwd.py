@@ -23,8 +23,8 @@ adds the pair-product terms), ``chunk_gate_bwd_kernel`` (dc -> dg).
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, exp_nonpos, load_row, load_tile,
-                                      mm, store_tile)
+from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, diag_factors, diag_reference,
+                                      exp_nonpos, load_row, load_tile, mm, store_tile)
 
 
 @triton.jit
@@ -45,13 +45,22 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_eX = exp_nonpos(b_cX - b_r[None, :])
         b_d1 += mm(b_p1, b_kJ, DOT_DTYPE) * b_eX
         b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
-    # Diagonal block: exp(c_i - c_j) element by element, as a [BC, BC, BK] block.
+    # Diagonal block (dP is zero above the diagonal): through the middle row r on the tensor cores
+    # where the decay allows (chunk_common.diag_reference), else exp(c_i - c_j) element by element
+    # as a [BC, BC, BK] block.
     b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_kX = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_ke = b_kX[None, :, :] * exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
-    b_d1 += tl.sum(b_p1[:, :, None] * b_ke, axis=1)
-    b_d2 += tl.sum(b_p2[:, :, None] * b_ke, axis=1)
+    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK, DOT_DTYPE)
+    if ok:
+        b_up, b_dn = diag_factors(b_cX, b_r, m_r)
+        b_kd = b_kX * b_dn
+        b_d1 += mm(b_p1, b_kd, DOT_DTYPE) * b_up
+        b_d2 += mm(b_p2, b_kd, DOT_DTYPE) * b_up
+    else:
+        b_ke = b_kX[None, :, :] * exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
+        b_d1 += tl.sum(b_p1[:, :, None] * b_ke, axis=1)
+        b_d2 += tl.sum(b_p2[:, :, None] * b_ke, axis=1)
     return b_d1, b_d2
 
 
@@ -72,13 +81,21 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
         b_eI = exp_nonpos(b_cI - b_r[None, :])
         b_s = mm(tl.trans(b_p1), b_qI * b_eI, DOT_DTYPE) + mm(tl.trans(b_p2), b_kI * b_eI, DOT_DTYPE)
         b_d += b_s * exp_nonpos(b_r[None, :] - b_cX)
-    # Diagonal block: row j of the result sums over the rows i >= j of block X.
+    # Diagonal block: row j of the result sums over the rows i >= j of block X (as in
+    # pair_row_grads, through the middle row where the decay allows).
     b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_q = load_tile(q_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
     b_k = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_e = exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
-    b_d += tl.sum((b_p1[:, :, None] * b_q[:, None, :] + b_p2[:, :, None] * b_k[:, None, :]) * b_e, axis=0)
+    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK, DOT_DTYPE)
+    if ok:
+        b_up, b_dn = diag_factors(b_cX, b_r, m_r)
+        b_s = mm(tl.trans(b_p1), b_q * b_up, DOT_DTYPE) + mm(tl.trans(b_p2), b_k * b_up, DOT_DTYPE)
+        b_d += b_s * b_dn
+    else:
+        b_e = exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
+        b_d += tl.sum((b_p1[:, :, None] * b_q[:, None, :] + b_p2[:, :, None] * b_k[:, None, :]) * b_e,
+                      axis=0)
     return b_d
 
 

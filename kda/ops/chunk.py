@@ -62,13 +62,13 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None, device)
 # sequential stages lives in registers in float32.
 TUNING = {
     'cumsum': dict(BK=64, num_warps=4),
-    'pair_fwd': dict(BK=64, num_warps=4, num_stages=2),
+    'pair_fwd': dict(BK=32, num_warps=4, num_stages=2),
     'solve': dict(BK=64, BV=64, num_warps=4, num_stages=2),
     'state_fwd': dict(BV=32, num_warps=4, num_stages=2),
     'output': dict(BK=64, BV=128, num_warps=8, num_stages=3),
     'state_bwd': dict(BV=64, num_warps=8, num_stages=2),
     'intra_bwd': dict(BK=32, BV=32, num_warps=4, num_stages=1),
-    'pair_bwd': dict(BK=32, num_warps=4, num_stages=1),
+    'pair_bwd': dict(BK=32, num_warps=4, num_stages=2),
     'gate_bwd': dict(BK=32, num_warps=4),
 }
 
@@ -76,10 +76,11 @@ TUNING = {
 def launch_config(stage: str, K: int, V: int) -> dict:
     """Keyword arguments for launching ``stage``'s kernel at head dims K, V (see ``TUNING``)."""
     cfg = {name: value for name, value in TUNING[stage].items() if value is not None}
+    # 16: the smallest operand tl.dot takes (and the diagonal blocks' slice width).
     if 'BK' in cfg:
-        cfg['BK'] = min(cfg['BK'], next_pow2(K))
+        cfg['BK'] = max(16, min(cfg['BK'], next_pow2(K)))
     if 'BV' in cfg:
-        cfg['BV'] = min(cfg['BV'], next_pow2(V))
+        cfg['BV'] = max(16, min(cfg['BV'], next_pow2(V)))
     if stage.startswith('state_'):
         # The whole key dimension is one block. At K = 256 a pipelined chunk loop asked for
         # 273 KiB of shared memory (the H200 has 227 KiB); one stage fits.
@@ -90,11 +91,13 @@ def launch_config(stage: str, K: int, V: int) -> dict:
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                  cu_seqlens, layout: ChunkLayout, need_output: bool = True,
+                  cu_seqlens, layout: ChunkLayout, bounded_gate: bool = False, need_output: bool = True,
                   chunk_state_dtype: torch.dtype | None = None):
     """Runs the three forward stages (the third only with ``need_output``). Returns
     ``(o, final_state, intermediates)`` where the intermediates are
-    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``. The per-chunk states ``h`` are kept in
+    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``. ``bounded_gate``: every log-decay step is >= -5
+    (the lower-bound gate), which lets the in-chunk diagonal blocks use the tensor cores (see
+    ``kernels/chunk_intra.py``). The per-chunk states ``h`` are kept in
     ``chunk_state_dtype`` (default: the input dtype, which is what every later product rounds
     them to anyway; float32 for states handed to the user)."""
     B, T, H, K = q.shape
@@ -116,6 +119,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         g, gc, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'], **chunks, **cfg)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'],
+        # float16 operands would overflow at exp(75) (their range ends at 65504).
+        FACTORED_DIAG=bounded_gate and dt != torch.float16,
         IS_VARLEN=common['IS_VARLEN'], **chunks, **launch_config('pair_fwd', K, V))
     chunk_solve_kernel[(layout.total, HV)](
         k, v, beta, gc, Akk, Minv, w, u, BC=BC, **common, **chunks, **launch_config('solve', K, V))
@@ -144,7 +149,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
 
 def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
-                  layout: ChunkLayout, do, dht, saved=None):
+                  layout: ChunkLayout, do, dht, saved=None, bounded_gate: bool = False):
     """Gradients of ``chunk_kda_fwd``: recomputes stages 1-2 (unless ``saved`` holds them), sweeps
     the state gradient backwards, then forms every per-token gradient chunk by chunk.
     Returns ``(dq, dk, dv, dg, dbeta, dh0)`` in float32 (dq, dk summed over GVA groups)."""
@@ -156,7 +161,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
     if saved is None:
         _, _, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, False, state_v_first,
-                                    cu_seqlens, layout, need_output=False)
+                                    cu_seqlens, layout, bounded_gate, need_output=False)
     gc, Aqk, Akk, Minv, w, u, h, v_new = saved
 
     blocks = launch_config('state_bwd', K, V)
@@ -202,12 +207,13 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                cu_seqlens, layout, disable_recompute):
+                cu_seqlens, layout, bounded_gate, disable_recompute):
         o, final_state, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state,
-                                              output_final_state, state_v_first, cu_seqlens, layout)
+                                              output_final_state, state_v_first, cu_seqlens, layout,
+                                              bounded_gate)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.saved_intermediates = saved if disable_recompute else None
-        ctx.scale, ctx.state_v_first, ctx.layout = scale, state_v_first, layout
+        ctx.scale, ctx.state_v_first, ctx.layout, ctx.bounded_gate = scale, state_v_first, layout, bounded_gate
         return o, final_state
 
     @staticmethod
@@ -215,10 +221,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
             q, k, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
-            do.contiguous(), None if dht is None else dht.contiguous(), ctx.saved_intermediates)
+            do.contiguous(), None if dht is None else dht.contiguous(), ctx.saved_intermediates,
+            ctx.bounded_gate)
         ctx.saved_intermediates = None
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
-                None, dh0, None, None, None, None, None)
+                None, dh0, None, None, None, None, None, None)
 
 
 def chunk_kda(
@@ -286,15 +293,18 @@ def chunk_kda(
         q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, q.device)
+    # The lower-bound gate keeps every step's log-decay in [lower_bound, 0] with lower_bound >= -5.
+    bounded_gate = use_gate_in_kernel and lower_bound is not None
     if return_intermediate_states or not needs_grad:
         # Inference: nothing is kept for a backward. States handed to the user stay float32.
         o, final_state, saved = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
-            cu_seqlens, layout, chunk_state_dtype=torch.float32 if return_intermediate_states else None)
+            cu_seqlens, layout, bounded_gate,
+            chunk_state_dtype=torch.float32 if return_intermediate_states else None)
         if not return_intermediate_states:
             return o, final_state
         h = saved[6]
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
     return ChunkKDAFunction.apply(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
-                                  state_v_first, cu_seqlens, layout, disable_recompute)
+                                  state_v_first, cu_seqlens, layout, bounded_gate, disable_recompute)
