@@ -309,8 +309,10 @@ def _chunk_case(B, T, H, lengths, impls, bench, backward, gate=False):
     return res, diff
 
 
-def _chunk_table(impls, bench, quick, backward, gate=False):
+def _chunk_table(impls, bench, quick, backward, gate=False, fla_backward=True):
     shapes = FWDBWD_SHAPES if backward else CHUNK_SHAPES
+    if backward and not fla_backward:
+        impls = dict(impls, FLA=None)
     cases = [(f"({B}, {T}, {H})", B, T, H, None) for B, T, H in shapes]
     if not backward:
         cases.append((f"varlen {len(VARLEN_LENGTHS)} seqs, {sum(VARLEN_LENGTHS)} tok, H={VARLEN_H}",
@@ -535,9 +537,11 @@ def gpu_main(args):
                 lambda: _chunk_table(chunk_impls, bench, args.quick, False)),
         'gate_fwd': ('## chunk_kda forward (inference mode), Kimi Linear gate config, ms',
                      lambda: _chunk_table(chunk_impls, bench, args.quick, False, gate=True)),
-        'fwdbwd': ('## chunk_kda forward + backward, ms', lambda: _chunk_table(chunk_impls, bench, args.quick, True)),
+        'fwdbwd': ('## chunk_kda forward + backward, ms',
+                   lambda: _chunk_table(chunk_impls, bench, args.quick, True, fla_backward=not args.fla_forward_only)),
         'gate_fwdbwd': ('## chunk_kda forward + backward, Kimi Linear gate config, ms',
-                        lambda: _chunk_table(chunk_impls, bench, args.quick, True, gate=True)),
+                        lambda: _chunk_table(chunk_impls, bench, args.quick, True, gate=True,
+                                             fla_backward=not args.fla_forward_only)),
         'profile': ('## where one forward + backward step of ours spends GPU time', lambda: _step_profile(chunk)),
         'decode': (f'## fused_recurrent_kda decode step (T = 1, H = {DECODE_H}, K = V = 128, float32 state), us',
                    lambda: _decode_table(fused, fla_mod, bench, args.quick)),
@@ -642,6 +646,8 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='fewer shapes and repetitions')
     p.add_argument('--out', default=str(ROOT / 'out'), help='folder for results.md and the plot')
     p.add_argument('--no-fla', action='store_true', help='skip FLA even if importable')
+    p.add_argument('--fla-forward-only', action='store_true',
+                   help="GPU mode: time FLA's forward only (its backward autotunes for minutes on a fresh GPU)")
     p.add_argument('--parts', default=','.join(PARTS),
                    help=f"GPU mode: comma-separated parts to run, in order (default all: {','.join(PARTS)})")
     args = p.parse_args(argv)

@@ -10,7 +10,8 @@
 # one's).
 # Phase 2: bench.py, each GPU timing its own parts on an otherwise idle GPU.
 # Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; TEST_SECONDS=0 skips
-# the tests), BENCH_ARGS (extra bench.py arguments). At most 8 files come back from a device
+# the tests), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),
+# BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs). At most 8 files come back from a device
 # call: pytest.log, warm.log, bench.<gpu>.log, results.<gpu>.md, gpu.txt, the plot.
 # FLA comes from a carried wheel when .whl/ holds one (see benchmarks/FLA_NOTES.md).
 set -uo pipefail
@@ -45,13 +46,15 @@ if [ "$FLA" = 1 ]; then
             pids+=($!); i=$((i + 1))
         done
     done
-    for kind in fwdbwd gate_fwdbwd; do
-        for shape in 8,4096,16 1,32768,32; do
-            CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${WARM_SECONDS:-300}" \
-                python3 benchmarks/warm_fla.py "$kind:$shape" > "$OUT/warm.$i.log" 2>&1 &
-            pids+=($!); i=$((i + 1))
+    if [ "${WARM_BACKWARD:-1}" = 1 ]; then
+        for kind in fwdbwd gate_fwdbwd; do
+            for shape in 8,4096,16 1,32768,32; do
+                CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${WARM_SECONDS:-300}" \
+                    python3 benchmarks/warm_fla.py "$kind:$shape" > "$OUT/warm.$i.log" 2>&1 &
+                pids+=($!); i=$((i + 1))
+            done
         done
-    done
+    fi
 fi
 for p in "${pids[@]}"; do wait "$p"; done
 echo "phase 1 (tests, FLA warm-up): $(( $(date +%s) - start )) s"
@@ -66,7 +69,7 @@ fi
 
 ALL=fwd,gate_fwd,fwdbwd,gate_fwdbwd,profile,decode,throughput
 if [ "$GPUS" -ge 2 ]; then
-    PARTS=(fwd,gate_fwd,profile fwdbwd,gate_fwdbwd,decode,throughput)
+    PARTS=(${PARTS0:-fwd,gate_fwd,decode} ${PARTS1:-profile,throughput,fwdbwd,gate_fwdbwd})
 else
     PARTS=($ALL)
 fi
