@@ -56,14 +56,20 @@ def state_tile(i_n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
-def load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
-    """float32 ``[BR, BC]`` tile of rows ``row0..`` and columns ``col0..``; zero outside
-    ``n_rows`` x ``n_cols``."""
-    o_r = row0 + tl.arange(0, BR)
+def load_rows(base, o_r, n_rows, row_stride, col0, n_cols, BC: tl.constexpr):
+    """float32 ``[len(o_r), BC]`` tile of the rows listed in ``o_r`` and columns ``col0..``; zero
+    outside ``n_rows`` x ``n_cols``."""
     o_c = col0 + tl.arange(0, BC)
     m = (o_r < n_rows)[:, None] & (o_c < n_cols)[None, :]
     p = base + o_r[:, None].to(tl.int64) * row_stride + o_c[None, :]
     return tl.load(p, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """float32 ``[BR, BC]`` tile of rows ``row0..`` and columns ``col0..``; zero outside
+    ``n_rows`` x ``n_cols``."""
+    return load_rows(base, row0 + tl.arange(0, BR), n_rows, row_stride, col0, n_cols, BC)
 
 
 @triton.jit

@@ -12,8 +12,9 @@ The exponents ``c_i - c_j`` are never split into ``exp(c_i) * exp(-c_j)`` over a
 overflows once a chunk's decay passes float32's range. The chunk is cut into ``BC``-row
 sub-blocks: an off-diagonal block (I > J) factors through the last row ``r`` of block J,
 ``exp(c_i - r) * exp(r - c_j)``, both factors <= 1. A diagonal block factors through its first row
-when the gate is bounded (lower_bound: a factor stays below exp(75)), and is formed element by
-element otherwise.
+when the gate is bounded (lower_bound: a factor stays below exp(75)); otherwise the same
+reference-row scheme is applied once more inside it, on groups of 4 rows, and only the 4 x 4
+diagonal groups are formed element by element.
 
 Three kernels, in order: ``chunk_cumsum_kernel`` (c), ``chunk_pair_fwd_kernel`` (Aqk and A', one
 program per row block of a chunk), ``chunk_solve_kernel`` (M, W, U, one program per chunk).
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, diag_factors, exp_nonpos, load_row,
-                                      load_tile, mm, store_tile)
+                                      load_rows, load_tile, mm, store_tile)
 
 
 @triton.jit
@@ -57,14 +58,18 @@ def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K
     row r on the tensor cores, ``exp(c_i - r) <= 1`` times ``exp(r - c_j) <= exp(15 * 5)``
     = 3.7e32, within float32/bfloat16 range; an entry j <= i is the true decayed product, only the
     masked entries j > i can overflow. r is the block's first row so that no row's rounding
-    depends on a later row (bit-exact causality). Otherwise ``exp(c_i - c_j)`` element by
-    element as ``[BC, BC, 16]`` blocks (a column-at-a-time loop made BC dependent steps of row
-    loads; 64-wide 3-D blocks spilled registers)."""
-    BKD: tl.constexpr = 16
+    depends on a later row (bit-exact causality).
+
+    Otherwise (any g <= 0) the block is cut into groups of G = 4 rows, the off-diagonal scheme one
+    level down: entries between groups b < a factor through the last row of group b (both
+    factors <= 1), one tensor-core product per group b with the other rows and columns zeroed;
+    the 4 x 4 diagonal groups are formed element by element, one gathered column per row at a
+    time. Every entry (i, j) reads rows <= i only, as in the factored case."""
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    o_i = tl.arange(0, BC)
+    m_r = ((i_i * BC + o_i) < L)[:, None]
     if FACTORED:
-        m_r = ((i_i * BC + tl.arange(0, BC)) < L)[:, None]
         for i_k in range(tl.cdiv(K, BK)):
             b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
             b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
@@ -75,13 +80,26 @@ def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K
             b_qk += mm(b_q * b_up, b_kdt, DOT_DTYPE)
             b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
     else:
-        for i_k in range(tl.cdiv(K, BKD)):
-            b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
-            b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BKD, K, BC, BKD)
-            b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BKD, K, BC, BKD)
-            b_kje = b_k[None, :, :] * exp_nonpos(b_c[:, None, :] - b_c[None, :, :])
-            b_qk += tl.sum(b_q[:, None, :] * b_kje, axis=2)
-            b_kk += tl.sum(b_k[:, None, :] * b_kje, axis=2)
+        G: tl.constexpr = 4
+        o_g = o_i // G
+        for i_k in range(tl.cdiv(K, BK)):
+            b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+            b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+            b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
+            for b in range(BC // G - 1):
+                b_r = load_row(gc_base, i_i * BC + b * G + G - 1, L, gc_stride, i_k * BK, K, BK)
+                b_up = tl.where((o_g > b)[:, None], exp_nonpos(b_c - b_r[None, :]), 0.)
+                b_kdt = tl.trans(tl.where((o_g == b)[:, None], b_k * exp_nonpos(b_r[None, :] - b_c), 0.))
+                b_qk += mm(b_q * b_up, b_kdt, DOT_DTYPE)
+                b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
+            for t in range(G):
+                o_j = o_g * G + t
+                b_kj = load_rows(k_base, i_i * BC + o_j, L, qk_stride, i_k * BK, K, BK)
+                b_cj = load_rows(gc_base, i_i * BC + o_j, L, gc_stride, i_k * BK, K, BK)
+                b_kj *= exp_nonpos(b_c - b_cj)
+                m_j = o_i[None, :] == o_j[:, None]
+                b_qk += tl.where(m_j, tl.sum(b_q * b_kj, axis=1)[:, None], 0.)
+                b_kk += tl.where(m_j, tl.sum(b_k * b_kj, axis=1)[:, None], 0.)
     return b_qk, b_kk
 
 
