@@ -1,12 +1,15 @@
 """Launch-configuration sweep of the chunk kernels on a GPU (one device call).
 
-    python benchmarks/sweep.py [--stages intra_fwd,intra_bwd,...] [--jobs 12]
+    python benchmarks/sweep.py [--stages pair_fwd,pair_bwd,...] [--jobs 12]
 
 For every stage of ``kda.ops.chunk.TUNING`` and every candidate configuration below, it sets that
 stage's entry, runs one forward + backward step of ``chunk_kda`` (bf16, K = V = 128, l2norm in
 kernel, g pre-computed) under ``torch.profiler`` and reports the stage kernel's GPU time per call.
 Kernels are first compiled by ``--jobs`` parallel processes into a shared Triton cache (compiles
 are single-threaded and dominate the wall time), then timed one configuration at a time.
+The launcher's own rules still apply on top of a candidate (e.g. ``chunk_kda_fwd`` halves the
+state carry's slice when there are fewer programs than SMs), so two candidates can time the same
+kernel; the table prints what was asked for.
 """
 from __future__ import annotations
 
@@ -97,6 +100,9 @@ def main():
     p.add_argument('--compile-shard', default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     stages = args.stages.split(',')
+    unknown = sorted(set(stages) - set(CANDIDATES))
+    if unknown:
+        raise SystemExit(f"--stages: unknown {unknown}; expected some of {', '.join(CANDIDATES)}")
     todo = [j for j in jobs() if j[0] in stages]
     baseline = {k: dict(v) for k, v in chunk_ops.TUNING.items()}
 

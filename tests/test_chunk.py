@@ -365,19 +365,23 @@ def test_strong_decay(chunk_size, pattern, lengths):
 
 
 @requires_kernels
-@pytest.mark.parametrize('drop', [-58., -61., 'mixed'])
+@pytest.mark.parametrize('drop', [-58., -61., 'mixed', 'large_values'])
 def test_diagonal_block_paths(drop):
-    """Diagonal sub-blocks factor through their middle row r (row 7 of 16; tensor cores) when every
-    row's cumulative decay is within DIAG_SPAN = 60 of r's, else use the element-wise path. Mild
-    steps of -0.1 with one drop right after r in every block put the block's last row
-    |drop| + 0.8 from r: 58.8 (factored) or 61.8 (element-wise); 'mixed' drops -61 on half the key
-    channels, so one block takes both paths in different key slices. Bound as in
-    test_strong_decay (the drops push the float32 in-chunk sums to ~-250)."""
+    """The backward's diagonal sub-blocks factor through their middle row r (row 7 of 16; tensor
+    cores) when every row's cumulative decay is within DIAG_SPAN = 60 of r's, else use the
+    element-wise path. Mild steps of -0.1 with one drop right after r in every block put the
+    block's last row |drop| + 0.7 from r: 58.7 (factored) or 61.7 (element-wise); 'mixed' drops -61
+    on half the key channels, so one block takes both paths in different key slices;
+    'large_values': the factored case with values of 1e16, whose pair-matrix gradients times
+    exp(58.7) overflowed float32 before they were scaled. Bound as in test_strong_decay (the
+    drops push the float32 in-chunk sums to ~-250)."""
     B, T, HV, K, V = 1, 80, 2, 128, 32
     x = make_inputs(B, T, 1, HV, K, V)
     x['g'][:] = -0.1
     channels = slice(0, K // 2) if drop == 'mixed' else slice(None)
-    x['g'][:, 8::16, :, channels] = -61. if drop == 'mixed' else drop
+    x['g'][:, 8::16, :, channels] = {'mixed': -61., 'large_values': -58.}.get(drop, drop)
+    if drop == 'large_values':
+        x['v'] = x['v'] * 1e16
     s0 = make_state(B, HV, K, V)
     o, ht, gd, do, dht = run_chunk(x, s0, chunk_size=64)
     ro, rht, rgd = run_ref(x, s0, do, dht)
@@ -385,6 +389,42 @@ def test_diagonal_block_paths(drop):
     fo, fht, fgd = _cumsum_floor(x, s0, do, dht, 64)
     floor = errors(fo, fht, fgd, ro, rht, rgd)
     assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"diagonal blocks, drop = {drop}")
+
+
+@requires_kernels
+@pytest.mark.parametrize('rule', ['halved_state_slice', 'K256'])
+def test_launch_rules(monkeypatch, rule):
+    """The launcher's shape rules, which the interpreter's defaults never reach: halving the state
+    carry's value slice when there are fewer programs than SMs (forced by claiming a huge GPU),
+    and K = 256 (one pipeline stage, 32-wide state slices)."""
+    if rule == 'halved_state_slice':
+        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+        check_case(1, 40, 1, 2, 32, 48, chunk_size=32)
+    else:
+        check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
+
+
+@requires_kernels
+def test_bounded_gate_float16():
+    """float16 with the lower-bound gate saturated at -5 per step: the forward's factored diagonal
+    blocks would need exp(75), far past float16's 65504, so float16 takes the 4-row scheme (with
+    the factored path, outputs were NaN). Bound: 4 roundings to float16 (u = 4.9e-4), the size
+    of the errors the float16 tests measure for outputs (<= 2.8 u)."""
+    B, T, H, HV, K, V = 1, 64, 1, 2, 32, 32
+    x = make_inputs(B, T, H, HV, K, V)
+    x['g'] = torch.randn(B, T, HV, K)
+    x['g'][:, 16:48] = 40.                                  # sigmoid -> 1: steps of -5
+    s0 = make_state(B, HV, K, V)
+    x16 = {n: t.to(torch.float16).to(KDEV) for n, t in x.items()}
+    with torch.no_grad():
+        o, ht = chunk_kda(**x16, initial_state=s0.to(KDEV), output_final_state=True,
+                          use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    g = -5.0 * torch.sigmoid(to64(x16['g'].cpu()))
+    ro, rht = reference64(x16['q'].cpu(), x16['k'].cpu(), x16['v'].cpu(), g, x16['beta'].cpu(),
+                          initial_state=s0)
+    u = rel_err(ro.to(torch.float16), ro)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_err(o.cpu(), ro) < 4 * u and rel_err(ht.cpu(), rht) < 4 * u
 
 
 # ----------------------------------------------------------------------------------------------

@@ -138,8 +138,9 @@ def clamp_log_decay(g):
 # Diagonal sub-blocks in the backward: exp(c_i - c_j) = exp(c_i - r) exp(r - c_j) through the
 # block's middle row r is exact and runs on the tensor cores, but a factor exceeds 1 on one side of
 # r. Taken only where every valid row of the slice lies within DIAG_SPAN of r: exp(60) = 1.1e26
-# leaves 1e12 of float32 and bfloat16 range for what the factor multiplies (keys, pair-matrix
-# gradients), and exp(-60) times a key stays far above their smallest normal (1e-38). Not for
+# leaves 1e12 of float32 and bfloat16 range for the keys or queries the factor multiplies (the
+# pair-matrix gradients enter scaled to at most 1, see chunk_intra_bwd.py), and exp(-60) times a
+# key stays far above their smallest normal (1e-38). Not for
 # float16 operands: their range (6e-5 .. 65504) is exceeded by exp(+-11), and already at spans of
 # ~8 the small factor pushed operands into subnormals (interpreter: dg error 1.3e-3 against a
 # 1.0e-3 bound). The forward does not use this data-dependent choice: it depends on every row of
@@ -167,3 +168,11 @@ def diag_factors(b_c, b_r, m_r):
     """``(exp(c - r), exp(r - c))`` on the valid rows, 0 elsewhere (see ``diag_reference``)."""
     b_d = b_c - b_r[None, :]
     return tl.where(m_r, tl.exp(b_d), 0.), tl.where(m_r, tl.exp(-b_d), 0.)
+
+
+@triton.jit
+def scale_rows(b_p):
+    """``(b_p / s[:, None], s)`` with ``s`` the largest magnitude of each row (rows of zeros stay
+    zero; a NaN stays NaN)."""
+    b_s = tl.max(tl.abs(b_p), axis=1)
+    return b_p * tl.where(b_s > 0, 1. / b_s, 0.)[:, None], b_s

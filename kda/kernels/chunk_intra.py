@@ -150,6 +150,7 @@ def chunk_pair_fwd_kernel(
     """Row block I of ``Aqk`` (scale included) and of ``A' = A / beta`` (both kept for the
     backward): the diagonal block and the blocks J < I. One program per (chunk, I): the row
     blocks are independent, and one program per chunk ran them one after another."""
+    tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     i_ci, i_hv = tl.program_id(0), tl.program_id(1)
     i_c, i_i = i_ci // NC, i_ci % NC

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, diag_factors, diag_reference,
-                                      exp_nonpos, load_row, load_tile, mm, store_tile)
+                                      exp_nonpos, load_row, load_tile, mm, scale_rows, store_tile)
 
 
 @triton.jit
@@ -47,7 +47,10 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
     # Diagonal block (dP is zero above the diagonal): through the middle row r on the tensor cores
     # where the decay allows (chunk_common.diag_reference), else exp(c_i - c_j) element by element
-    # as a [BC, BC, BK] block.
+    # as a [BC, BC, BK] block. On the tensor cores one factor reaches exp(60), so dP enters with
+    # its rows scaled to max |.| = 1 and the scale is applied after exp(c_i - r) has brought the
+    # product back to its true size: unscaled, gradients above ~3e12 overflowed (review: v * 1e16
+    # gave inf dq where the element-wise path was finite).
     b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_kX = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
@@ -55,8 +58,10 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
     if ok:
         b_up, b_dn = diag_factors(b_cX, b_r, m_r)
         b_kd = b_kX * b_dn
-        b_d1 += mm(b_p1, b_kd, DOT_DTYPE) * b_up
-        b_d2 += mm(b_p2, b_kd, DOT_DTYPE) * b_up
+        b_p1, b_s1 = scale_rows(b_p1)
+        b_p2, b_s2 = scale_rows(b_p2)
+        b_d1 += (mm(b_p1, b_kd, DOT_DTYPE) * b_up) * b_s1[:, None]
+        b_d2 += (mm(b_p2, b_kd, DOT_DTYPE) * b_up) * b_s2[:, None]
     else:
         b_ke = b_kX[None, :, :] * exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
         b_d1 += tl.sum(b_p1[:, :, None] * b_ke, axis=1)
@@ -90,8 +95,10 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
     b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK, DOT_DTYPE)
     if ok:
         b_up, b_dn = diag_factors(b_cX, b_r, m_r)
-        b_s = mm(tl.trans(b_p1), b_q * b_up, DOT_DTYPE) + mm(tl.trans(b_p2), b_k * b_up, DOT_DTYPE)
-        b_d += b_s * b_dn
+        b_p1, b_s1 = scale_rows(tl.trans(b_p1))
+        b_p2, b_s2 = scale_rows(tl.trans(b_p2))
+        b_d += ((mm(b_p1, b_q * b_up, DOT_DTYPE) * b_dn) * b_s1[:, None]
+                + (mm(b_p2, b_k * b_up, DOT_DTYPE) * b_dn) * b_s2[:, None])
     else:
         b_e = exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
         b_d += tl.sum((b_p1[:, :, None] * b_q[:, None, :] + b_p2[:, :, None] * b_k[:, None, :]) * b_e,
@@ -211,6 +218,7 @@ def chunk_pair_bwd_kernel(
     added to the dq, dk and dc that ``chunk_intra_bwd_kernel`` stored. One program per tile rather
     than a loop over tiles inside the chunk's program: the tiles are independent, and the chunk's
     program ran them one after another at one program per SM (ptxas: 255 registers)."""
+    tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     NK: tl.constexpr = (K + BK - 1) // BK
     i_cx, i_hvk = tl.program_id(0), tl.program_id(1)
@@ -260,4 +268,4 @@ def chunk_gate_bwd_kernel(
     b_dc = load_tile(dg_base, 0, L, HV * K, i_k * BK, K, BT, BK)
     b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
     b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
-    store_tile(dg_base, tl.where(b_g >= LOG_DECAY_FLOOR, b_dg, 0.), 0, L, HV * K, i_k * BK, K, BT, BK)
+    store_tile(dg_base, tl.where(b_g < LOG_DECAY_FLOOR, 0., b_dg), 0, L, HV * K, i_k * BK, K, BT, BK)

@@ -4,7 +4,8 @@ Forward: stage 1 (``kernels/chunk_intra.py``) builds each chunk's matrices, stag
 (``kernels/chunk_state.py``) carries the state across chunks, stage 3 (``kernels/chunk_output.py``)
 forms the outputs. Backward recomputes stages 1-2 from the saved inputs (nothing chunk-sized is
 kept between forward and backward unless ``disable_recompute=True``), then runs the state-gradient
-sweep and the per-chunk gradient stage (``kernels/chunk_bwd_*.py``).
+sweep (``kernels/chunk_state_bwd.py``) and the per-chunk gradient kernels
+(``kernels/chunk_intra_bwd.py``). Launch configurations: ``TUNING`` below.
 """
 from __future__ import annotations
 
@@ -68,7 +69,11 @@ TUNING = {
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
     'output': dict(BK=64, BV=128, num_warps=8, num_stages=3),
     'state_bwd': dict(BV=64, num_warps=8, num_stages=2),
+    # 4 warps spill 724 B a thread here (8 warps: 152 B; triton 3.6, ptxas -v) yet ran 2.27 ms
+    # against 3.49 ms at 8 warps (H200 sweep at 15d04d2, (8, 4096, 16)).
     'intra_bwd': dict(BK=32, BV=32, num_warps=4, num_stages=1),
+    # 255 registers and 432 B of spills a thread (triton 3.6), mostly the element-wise fallback that
+    # is compiled in; still the fastest of six (2.36 ms; 32-wide: 3.94 ms; sweep at 87afc0d).
     'pair_bwd': dict(BK=64, num_warps=4, num_stages=2),
     'gate_bwd': dict(BK=32, num_warps=4),
 }
@@ -85,11 +90,11 @@ def sm_count(device: torch.device) -> int:
 def launch_config(stage: str, K: int, V: int) -> dict:
     """Keyword arguments for launching ``stage``'s kernel at head dims K, V (see ``TUNING``)."""
     cfg = {name: value for name, value in TUNING[stage].items() if value is not None}
-    # 16: the smallest operand tl.dot takes (and the diagonal blocks' slice width).
+    # next_pow2 is at least 16, the smallest operand tl.dot takes.
     if 'BK' in cfg:
-        cfg['BK'] = max(16, min(cfg['BK'], next_pow2(K)))
+        cfg['BK'] = min(cfg['BK'], next_pow2(K))
     if 'BV' in cfg:
-        cfg['BV'] = max(16, min(cfg['BV'], next_pow2(V)))
+        cfg['BV'] = min(cfg['BV'], next_pow2(V))
     if stage.startswith('state_'):
         # The whole key dimension is one block. At K = 256 a pipelined chunk loop asked for
         # 273 KiB of shared memory (the H200 has 227 KiB); one stage fits.
@@ -139,6 +144,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     if N * HV * cdiv(V, blocks['BV']) < sm_count(dev):
         # Too few programs to fill the GPU: halve the slice for twice as many (H200 sweep at
         # (1, 32768, 32): 32-wide 2.94 ms, 64-wide 3.20 ms; at (8, 4096, 16) 1.25 vs 0.70 ms).
+        # Not for the state-gradient sweep, whose 64-wide 8-warp slices were faster at both
+        # shapes (3.39 vs 4.23 ms at (1, 32768, 32)).
         blocks['BV'] = max(16, blocks['BV'] // 2)
     h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
