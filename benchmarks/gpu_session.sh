@@ -7,7 +7,8 @@
 # FLA tuning case, so that FLA's autotuner (60-100 s per head count, run one after another inside
 # bench.py) runs side by side; its picks are cached on disk for phase 2. These processes share the
 # GPUs, so FLA's autotuner times its candidates on a busy GPU (its picks may differ from an idle
-# one's).
+# one's). Seen on a 2-GPU, 32-core host: with 20 test shards and 8 warm-ups side by side, 8 shards
+# did not finish in 170 s; the suite alone takes about 200 s in 14 shards on the 16-core host.
 # Phase 2: bench.py, each GPU timing its own parts on an otherwise idle GPU.
 # Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; TEST_SECONDS=0 skips
 # the tests), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),

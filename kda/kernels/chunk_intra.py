@@ -57,7 +57,9 @@ def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K
     ``FACTORED`` (the gate is bounded: every step's log-decay >= -5): through the block's first
     row r on the tensor cores, ``exp(c_i - r) <= 1`` times ``exp(r - c_j) <= exp(15 * 5)``
     = 3.7e32, within float32/bfloat16 range; an entry j <= i is the true decayed product, only the
-    masked entries j > i can overflow. r is the block's first row so that no row's rounding
+    masked entries j > i can overflow. (Keys beyond ~1e6 would overflow ``k * exp(75)``;
+    the delta rule is unstable long before, as ``beta k k^T`` reaches 1e12.) r is the block's
+    first row so that no row's rounding
     depends on a later row (bit-exact causality).
 
     Otherwise (any g <= 0) the block is cut into groups of G = 4 rows, the off-diagonal scheme one
