@@ -984,3 +984,57 @@ def test_cuda_bf16_varlen_real_sizes():
 def test_cuda_gradients(dtype):
     """B=2, T=512, GVA (H=2 q/k heads, HV=4), K=V=128, against float64 autograd."""
     check_gradients_vs_float64(dtype, B=2, T=512, H=2, HV=4, K=128, V=128)
+
+
+def check_kimi_gate_gradients(dtype, B, T, H, K, V, device):
+    """The Kimi Linear configuration (q/k l2norm, raw gate with A_log, dt_bias and the lower-bound
+    gate, beta logits): outputs, final state and the gradients of every input (A_log, dt_bias,
+    the raw gate and the beta logits included) against float64 autograd through the naive
+    recurrence on the activations written out here. Low precision: bound as in
+    check_gradients_vs_float64, from the reference's own error in float32 on the same inputs."""
+    raw = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V),
+               g=torch.randn(B, T, H, K), beta=2 * torch.randn(B, T, H))
+    leaves = {n: t.to(dtype).to(device).requires_grad_() for n, t in raw.items()}
+    leaves['A_log'] = torch.log(1 + 15 * torch.rand(H)).to(device).requires_grad_()
+    leaves['dt_bias'] = (0.1 * torch.randn(H * K)).to(device).requires_grad_()
+    leaves['initial_state'] = (0.5 * torch.randn(B, H, K, V)).to(device).requires_grad_()
+    o, ht = chunk_kda(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                      use_beta_sigmoid_in_kernel=True)
+    do, dht = torch.randn_like(o, dtype=torch.float32), torch.randn_like(ht)
+    names = list(leaves)
+    gk = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+
+    def ref(cast):
+        L = {n: cast(t).detach().requires_grad_() for n, t in leaves.items()}
+        z = L['A_log'].exp()[:, None] * (L['g'] + L['dt_bias'].view(H, K))
+        ro, rht = naive_recurrent_kda(L['q'], L['k'], L['v'], -5.0 * torch.sigmoid(z),
+                                      torch.sigmoid(L['beta']), initial_state=L['initial_state'],
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        gr = torch.autograd.grad((ro.to(rht.dtype) * cast(do)).sum() + (rht * cast(dht)).sum(),
+                                 [L[n] for n in names])
+        return ro.detach(), rht.detach(), dict(zip(names, gr))
+
+    ro, rht, rg = ref(lambda t: t.double())
+    errs = errors(o, ht, dict(zip(names, gk)), ro, rht, rg)
+    if dtype == torch.float32:
+        assert_errs(errs, TOL if device == 'cpu' else 1e-4, "Kimi gate, float32")
+        return
+    lo, lht, lg = ref(lambda t: t.float())
+    ref_errs = errors(lo, lht, {n: lg[n].to(leaves[n].dtype) for n in names}, ro, rht, rg)
+    u = rel_err(ro.to(dtype), ro)
+    assert_errs(errs, {n: lowp_bound(e, u) for n, e in ref_errs.items()}, f"Kimi gate, {dtype}")
+
+
+@requires_kernels
+def test_kimi_gate_gradients_small():
+    """check_kimi_gate_gradients in float32 at a small size (the interpreter's version of the
+    CUDA test below)."""
+    check_kimi_gate_gradients(torch.float32, 1, 80, 2, 32, 32, KDEV)
+
+
+@requires_cuda
+def test_cuda_kimi_gate_bf16():
+    """The production configuration in bf16 (the bounded gate's factored diagonal blocks),
+    B=2, T=1024, H=4, K=V=128."""
+    check_kimi_gate_gradients(torch.bfloat16, 2, 1024, 4, 128, 128, 'cuda')
