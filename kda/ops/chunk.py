@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 import triton
 import triton.language as tl
 
@@ -301,7 +302,14 @@ def chunk_kda(
                          "torch.no_grad() or with inputs that do not require grad")
 
     if use_gate_in_kernel:
-        g = activate_gate(g, A_log, dt_bias, lower_bound)
+        if needs_grad:
+            # Recomputed in the backward rather than kept: autograd would hold two float32
+            # [B, T, HV, K] intermediates of the activation (x and its sigmoid; 536 MB at
+            # (8, 4096, 16)), which lifted the training peak from 0.78x to 0.88x FLA's.
+            g = torch.utils.checkpoint.checkpoint(activate_gate, g, A_log, dt_bias, lower_bound,
+                                                  use_reentrant=False)
+        else:
+            g = activate_gate(g, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = activate_beta(beta, allow_neg_eigval)
     if not use_kernels(q):
