@@ -2,14 +2,15 @@
 # Everything a GPU session needs in one device call: the test suite on CUDA and the benchmark.
 #   bash benchmarks/gpu_session.sh        (writes to $OUT, default out/)
 #
-# Phase 1, in parallel: the test suite in SHARDS pytest processes (default 14; its time is mostly
-# single-threaded kernel compiles) and, when FLA is there, one benchmarks/warm_fla.py process per
-# FLA tuning case, so that FLA's autotuner (60-100 s per head count, run one after another inside
-# bench.py) runs side by side; its picks are cached on disk for phase 2. These processes share the
-# GPUs, so FLA's autotuner times its candidates on a busy GPU (its picks may differ from an idle
-# one's). Seen on a 2-GPU, 32-core host: with 20 test shards and 8 warm-ups side by side, 8 shards
-# did not finish in 170 s; the suite alone takes about 200 s in 14 shards on the 16-core host.
-# Phase 2: bench.py, each GPU timing its own parts on an otherwise idle GPU.
+# Phase 1: the test suite in SHARDS parallel pytest processes (default 14; its time is mostly
+# single-threaded kernel compiles), alone: on a 2-GPU, 32-core host, 20 shards side by side with
+# FLA's warm-ups left 8 shards unfinished after 170 s; alone, 14 shards took ~200 s on the
+# 16-core host. Phase 2, when FLA is there: one benchmarks/warm_fla.py process per FLA tuning
+# case, so that FLA's autotuner (60-100 s per head count, run one after another inside
+# bench.py) runs side by side; its picks are cached on disk for phase 3. These processes share
+# the GPUs, so FLA's autotuner times its candidates on a busy GPU (its picks may differ from an
+# idle one's).
+# Phase 3: bench.py, each GPU timing its own parts on an otherwise idle GPU.
 # Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; TEST_SECONDS=0 skips
 # the tests), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),
 # BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs). At most 8 files come back from a device
@@ -37,6 +38,9 @@ if [ "${TEST_SECONDS:-300}" != 0 ]; then
             -p no:cacheprovider --durations=3 --shard "$i/$SHARDS" tests > "$OUT/pytest.$i.log" 2>&1 &
         pids+=($!)
     done
+    for p in "${pids[@]}"; do wait "$p"; done
+    pids=()
+    echo "tests: $(( $(date +%s) - start )) s"
 fi
 if [ "$FLA" = 1 ]; then
     i=0
@@ -58,7 +62,7 @@ if [ "$FLA" = 1 ]; then
     fi
 fi
 for p in "${pids[@]}"; do wait "$p"; done
-echo "phase 1 (tests, FLA warm-up): $(( $(date +%s) - start )) s"
+echo "tests and FLA warm-up: $(( $(date +%s) - start )) s"
 if compgen -G "$OUT/pytest.*.log" > /dev/null; then
     cat "$OUT"/pytest.*.log > "$OUT/pytest.log" && rm "$OUT"/pytest.*.log
     grep -hE "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Timeout|Terminated" "$OUT/pytest.log"
