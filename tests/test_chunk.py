@@ -935,14 +935,12 @@ def check_real_sizes(dtype, H, K, V, B=None, T=None, lengths=None, device='cuda'
     assert_errs(gerrs, lowp_bound(u, u), f"{dtype} gradients vs float32 kernels")
 
 
-def check_gradients_vs_float64(dtype, B, T, H, HV, K, V, device='cuda'):
-    """Gradients of every input against float64 autograd through the naive recurrence."""
-    x = _model_inputs(B, T, HV, K, V, dtype, device=device)
-    x['q'], x['k'] = x['q'][:, :, :H].contiguous(), x['k'][:, :, :H].contiguous()
-    h0 = (0.5 * torch.randn(B, HV, K, V)).to(device)
-    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    leaves['initial_state'] = h0.clone().requires_grad_()
-    o, ht = chunk_kda(**leaves, output_final_state=True)
+def compare_with_float64(leaves, run, reference, dtype, fp32_tol, what, low_cast):
+    """``run(leaves) -> (o, final_state)``: the outputs, final state and the gradient of every leaf
+    against float64 autograd through ``reference(cast leaves) -> (o, final_state)``. float32:
+    within ``fp32_tol``; low precision: within ``lowp_bound`` of the reference's own error, that
+    of ``reference`` on the leaves cast by ``low_cast`` (the same inputs, computed in float32)."""
+    o, ht = run(leaves)
     do = torch.randn_like(o, dtype=torch.float32)
     dht = torch.randn_like(ht)
     names = list(leaves)
@@ -950,7 +948,7 @@ def check_gradients_vs_float64(dtype, B, T, H, HV, K, V, device='cuda'):
 
     def ref(cast):
         L = {n: cast(t).detach().requires_grad_() for n, t in leaves.items()}
-        ro, rht = naive_recurrent_kda(**L, output_final_state=True)
+        ro, rht = reference(L)
         gr = torch.autograd.grad((ro.to(rht.dtype) * cast(do)).sum() + (rht * cast(dht)).sum(),
                                  [L[n] for n in names])
         return ro.detach(), rht.detach(), dict(zip(names, gr))
@@ -958,12 +956,25 @@ def check_gradients_vs_float64(dtype, B, T, H, HV, K, V, device='cuda'):
     ro, rht, rg = ref(lambda t: t.double())
     errs = errors(o, ht, dict(zip(names, gk)), ro, rht, rg)
     if dtype == torch.float32:
-        assert_errs(errs, 1e-4, "float32 gradients vs float64")
+        assert_errs(errs, fp32_tol, what)
         return
-    lo, lht, lg = ref(lambda t: t.clone())          # the reference on the same inputs, in float32
+    lo, lht, lg = ref(low_cast)
     ref_errs = errors(lo, lht, {n: lg[n].to(leaves[n].dtype) for n in names}, ro, rht, rg)
     u = rel_err(ro.to(dtype), ro)
-    assert_errs(errs, {n: lowp_bound(e, u) for n, e in ref_errs.items()}, f"{dtype} gradients vs float64")
+    assert_errs(errs, {n: lowp_bound(e, u) for n, e in ref_errs.items()}, what)
+
+
+def check_gradients_vs_float64(dtype, B, T, H, HV, K, V, device='cuda'):
+    """Gradients of every input against float64 autograd through the naive recurrence."""
+    x = _model_inputs(B, T, HV, K, V, dtype, device=device)
+    x['q'], x['k'] = x['q'][:, :, :H].contiguous(), x['k'][:, :, :H].contiguous()
+    h0 = (0.5 * torch.randn(B, HV, K, V)).to(device)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    leaves['initial_state'] = h0.clone().requires_grad_()
+    compare_with_float64(
+        leaves, lambda L: chunk_kda(**L, output_final_state=True),
+        lambda L: naive_recurrent_kda(**L, output_final_state=True), dtype, 1e-4,
+        f"{dtype} gradients vs float64", low_cast=lambda t: t.clone())
 
 
 @requires_cuda
@@ -990,40 +1001,27 @@ def check_kimi_gate_gradients(dtype, B, T, H, K, V, device):
     """The Kimi Linear configuration (q/k l2norm, raw gate with A_log, dt_bias and the lower-bound
     gate, beta logits): outputs, final state and the gradients of every input (A_log, dt_bias,
     the raw gate and the beta logits included) against float64 autograd through the naive
-    recurrence on the activations written out here. Low precision: bound as in
-    check_gradients_vs_float64, from the reference's own error in float32 on the same inputs."""
+    recurrence on the activations written out here; bounds as in check_gradients_vs_float64."""
     raw = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V),
                g=torch.randn(B, T, H, K), beta=2 * torch.randn(B, T, H))
     leaves = {n: t.to(dtype).to(device).requires_grad_() for n, t in raw.items()}
     leaves['A_log'] = torch.log(1 + 15 * torch.rand(H)).to(device).requires_grad_()
     leaves['dt_bias'] = (0.1 * torch.randn(H * K)).to(device).requires_grad_()
     leaves['initial_state'] = (0.5 * torch.randn(B, H, K, V)).to(device).requires_grad_()
-    o, ht = chunk_kda(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                      use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                      use_beta_sigmoid_in_kernel=True)
-    do, dht = torch.randn_like(o, dtype=torch.float32), torch.randn_like(ht)
-    names = list(leaves)
-    gk = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
 
-    def ref(cast):
-        L = {n: cast(t).detach().requires_grad_() for n, t in leaves.items()}
+    def run(L):
+        return chunk_kda(**L, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                         use_beta_sigmoid_in_kernel=True)
+
+    def reference(L):
         z = L['A_log'].exp()[:, None] * (L['g'] + L['dt_bias'].view(H, K))
-        ro, rht = naive_recurrent_kda(L['q'], L['k'], L['v'], -5.0 * torch.sigmoid(z),
-                                      torch.sigmoid(L['beta']), initial_state=L['initial_state'],
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
-        gr = torch.autograd.grad((ro.to(rht.dtype) * cast(do)).sum() + (rht * cast(dht)).sum(),
-                                 [L[n] for n in names])
-        return ro.detach(), rht.detach(), dict(zip(names, gr))
+        return naive_recurrent_kda(L['q'], L['k'], L['v'], -5.0 * torch.sigmoid(z),
+                                   torch.sigmoid(L['beta']), initial_state=L['initial_state'],
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-    ro, rht, rg = ref(lambda t: t.double())
-    errs = errors(o, ht, dict(zip(names, gk)), ro, rht, rg)
-    if dtype == torch.float32:
-        assert_errs(errs, TOL if device == 'cpu' else 1e-4, "Kimi gate, float32")
-        return
-    lo, lht, lg = ref(lambda t: t.float())
-    ref_errs = errors(lo, lht, {n: lg[n].to(leaves[n].dtype) for n in names}, ro, rht, rg)
-    u = rel_err(ro.to(dtype), ro)
-    assert_errs(errs, {n: lowp_bound(e, u) for n, e in ref_errs.items()}, f"Kimi gate, {dtype}")
+    compare_with_float64(leaves, run, reference, dtype, TOL if device == 'cpu' else 1e-4,
+                         f"Kimi gate, {dtype}", low_cast=lambda t: t.float())
 
 
 @requires_kernels
