@@ -367,8 +367,8 @@ def test_strong_decay(chunk_size, pattern, lengths):
 @requires_kernels
 @pytest.mark.parametrize('drop', [-58., -61., 'mixed', 'large_values'])
 def test_diagonal_block_paths(drop):
-    """The backward's diagonal sub-blocks factor through their middle row r (row 7 of 16; tensor
-    cores) when every row's cumulative decay is within DIAG_SPAN = 60 of r's, else use the
+    """The backward's diagonal sub-blocks factor through their middle row r (row 7 of 16; float32
+    matrix products) when every row's cumulative decay is within DIAG_SPAN = 60 of r's, else use the
     element-wise path. Mild steps of -0.1 with one drop right after r in every block put the
     block's last row |drop| + 0.7 from r: 58.7 (factored) or 61.7 (element-wise); 'mixed' drops -61
     on half the key channels, so one block takes both paths in different key slices;
@@ -437,13 +437,16 @@ def lowp_bound(err_ref: float, u: float) -> float:
     ``err_ref``: the error of the reference itself on the same low-precision inputs (the naive
     recurrence computed in float32, its output rounded to the dtype: one rounding).
     ``u``: the size of one rounding to the dtype, ``rel(ref64.to(dtype), ref64)``.
-    The kernels round every tensor-core dot operand to the input dtype by design (q*e^c, k*e^c,
-    h, Aqk, w, u, v_new, and in the backward every dot's operands): each output depends on a chain
+    The kernels round tensor-core dot operands to the input dtype by design (q*e^c, k*e^c,
+    h, Aqk, w, u, v_new, and in the backward the operands of every dot but those of the diagonal
+    sub-blocks of the pair-matrix gradients, see chunk_common.DIAG_SPAN): each output depends on a chain
     of ~4-8 such roundings, which add in quadrature (sqrt(8) ~ 2.8 u) and are carried a little by the
     recurrence. Hence ``2 * err_ref + 5 * u``. Observed (fp16, interpreter): o <= 2.8 u,
     final state <= 2.6 u, gradients <= 3.1 u, while the reference's own error is ~1 u (o, dq, dk,
     dv) or ~0 (float32 states, float32 g/beta gradients). A wrong mask, decay or chunk boundary
-    gives errors >= 1e-2 .. 1, far above this (fp16: ~1.5e-3, bf16: ~1.2e-2).
+    gives errors >= 1e-2 .. 1, far above this (fp16: ~1.5e-3, bf16: ~1.2e-2). Rounding the
+    backward's diagonal sub-block products to the input dtype fails it through dg alone (fp16,
+    interpreter: 7.4 u, bound 5 u; bf16 on the H200: 9 u), as the float16 case here shows.
     """
     return 2 * err_ref + 5 * u
 

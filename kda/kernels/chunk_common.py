@@ -136,30 +136,29 @@ def clamp_log_decay(g):
 
 
 # Diagonal sub-blocks in the backward: exp(c_i - c_j) = exp(c_i - r) exp(r - c_j) through the
-# block's middle row r is exact and runs on the tensor cores, but a factor exceeds 1 on one side of
+# block's middle row r is exact and runs as a matrix product, but a factor exceeds 1 on one side of
 # r. Taken only where every valid row of the slice lies within DIAG_SPAN of r: exp(60) = 1.1e26
-# leaves 1e12 of float32 and bfloat16 range for the keys or queries the factor multiplies (the
-# pair-matrix gradients enter scaled to at most 1, see chunk_intra_bwd.py), and exp(-60) times a
-# key stays far above their smallest normal (1e-38). Not for
-# float16 operands: their range (6e-5 .. 65504) is exceeded by exp(+-11), and already at spans of
-# ~8 the small factor pushed operands into subnormals (interpreter: dg error 1.3e-3 against a
-# 1.0e-3 bound). The forward does not use this data-dependent choice: it depends on every row of
-# the block, so an output's rounding would depend on later rows' gates (see chunk_intra.py).
+# leaves 1e12 of float32 range for the keys or queries the factor multiplies (the pair-matrix
+# gradients enter scaled to at most 1, see chunk_intra_bwd.py), and exp(-60) times a key stays far
+# above float32's smallest normal (1e-38). The products run in float32, not in the input dtype: a
+# pair term x_ij enters dc_i as +x and dc_j as -x through two different products, and dg sums dc
+# over the chunk, so any rounding that differs between the two sides stays in every dg before j.
+# The diagonal blocks hold the least-decayed, largest terms; with bf16 operands there the H200 gave
+# dg errors of 9 roundings (1.5e-2 against the test's 8.3e-3 bound) where the other gradients had
+# 2. The forward does not use this data-dependent choice: it depends on every row of the block, so
+# an output's rounding would depend on later rows' gates (see chunk_intra.py).
 DIAG_SPAN = tl.constexpr(60.0)
 
 
 @triton.jit
-def diag_reference(b_c, gc_base, gc_stride, i_x, L, col0, n_cols, BC: tl.constexpr, BK: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr):
+def diag_reference(b_c, gc_base, gc_stride, i_x, L, col0, n_cols, BC: tl.constexpr, BK: tl.constexpr):
     """For diagonal sub-block ``i_x`` with cumulative decays ``b_c`` ``[BC, BK]``: the middle valid
     row ``r``, the valid-row mask, and whether the factored form may be used (every valid row
-    within ``DIAG_SPAN`` of ``r``, and operands that are not float16)."""
+    within ``DIAG_SPAN`` of ``r``)."""
     o_r = i_x * BC + tl.arange(0, BC)
     b_r = load_row(gc_base, tl.minimum(i_x * BC + BC // 2 - 1, L - 1), L, gc_stride, col0, n_cols, BK)
     m_r = (o_r < L)[:, None]
     ok = tl.max(tl.where(m_r, tl.abs(b_c - b_r[None, :]), 0.)) <= DIAG_SPAN
-    if DOT_DTYPE == tl.float16:
-        ok = False
     return b_r, m_r, ok
 
 

@@ -45,23 +45,23 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_eX = exp_nonpos(b_cX - b_r[None, :])
         b_d1 += mm(b_p1, b_kJ, DOT_DTYPE) * b_eX
         b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
-    # Diagonal block (dP is zero above the diagonal): through the middle row r on the tensor cores
-    # where the decay allows (chunk_common.diag_reference), else exp(c_i - c_j) element by element
-    # as a [BC, BC, BK] block. On the tensor cores one factor reaches exp(60), so dP enters with
-    # its rows scaled to max |.| = 1 and the scale is applied after exp(c_i - r) has brought the
-    # product back to its true size: unscaled, gradients above ~3e12 overflowed (review: v * 1e16
-    # gave inf dq where the element-wise path was finite).
+    # Diagonal block (dP is zero above the diagonal): through the middle row r as float32 matrix
+    # products where the decay allows (chunk_common.diag_reference says why float32), else
+    # exp(c_i - c_j) element by element as a [BC, BC, BK] block. Factored, a factor reaches
+    # exp(60), so dP enters with its rows scaled to max |.| = 1 and the scale is applied after
+    # exp(c_i - r) has brought the product back to its true size: unscaled, gradients above ~3e12
+    # overflowed (review: v * 1e16 gave inf dq where the element-wise path was finite).
     b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_kX = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK, DOT_DTYPE)
+    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
     if ok:
         b_up, b_dn = diag_factors(b_cX, b_r, m_r)
         b_kd = b_kX * b_dn
         b_p1, b_s1 = scale_rows(b_p1)
         b_p2, b_s2 = scale_rows(b_p2)
-        b_d1 += (mm(b_p1, b_kd, DOT_DTYPE) * b_up) * b_s1[:, None]
-        b_d2 += (mm(b_p2, b_kd, DOT_DTYPE) * b_up) * b_s2[:, None]
+        b_d1 += (mm(b_p1, b_kd, tl.float32) * b_up) * b_s1[:, None]
+        b_d2 += (mm(b_p2, b_kd, tl.float32) * b_up) * b_s2[:, None]
     else:
         b_ke = b_kX[None, :, :] * exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
         b_d1 += tl.sum(b_p1[:, :, None] * b_ke, axis=1)
@@ -92,13 +92,13 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
     b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_q = load_tile(q_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
     b_k = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK, DOT_DTYPE)
+    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
     if ok:
         b_up, b_dn = diag_factors(b_cX, b_r, m_r)
         b_p1, b_s1 = scale_rows(tl.trans(b_p1))
         b_p2, b_s2 = scale_rows(tl.trans(b_p2))
-        b_d += ((mm(b_p1, b_q * b_up, DOT_DTYPE) * b_dn) * b_s1[:, None]
-                + (mm(b_p2, b_k * b_up, DOT_DTYPE) * b_dn) * b_s2[:, None])
+        b_d += ((mm(b_p1, b_q * b_up, tl.float32) * b_dn) * b_s1[:, None]
+                + (mm(b_p2, b_k * b_up, tl.float32) * b_dn) * b_s2[:, None])
     else:
         b_e = exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
         b_d += tl.sum((b_p1[:, :, None] * b_q[:, None, :] + b_p2[:, :, None] * b_k[:, None, :]) * b_e,
