@@ -45,8 +45,11 @@ common = dict(H=16, HV=16, K=128, V=128, BT=64, DOT_DTYPE=tl.bfloat16, IS_VARLEN
 chunks = dict(ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices'))
 # name: (kernel, pointer dtypes, constexprs, other argument kinds, [(num_warps, num_stages, maxnreg)])
 KERNELS = {
-    'cumsum': (chunk_cumsum_kernel, {}, dict(HV=16, K=128, BT=64, BK=64, IS_VARLEN=False), chunks,
+    'cumsum': (chunk_cumsum_kernel, {}, dict(HV=16, K=128, BT=64, BK=64, GATE='none', IS_VARLEN=False),
+               dict(floats=('lower_bound',), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'a', 'bias')),
                [(4, 2, None)]),
+    'cumsum_gate': (chunk_cumsum_kernel, dict(g=bf), dict(HV=16, K=128, BT=64, BK=64, GATE='sigmoid', IS_VARLEN=False),
+                    dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),
     'pair_fwd': (chunk_pair_fwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=32, FACTORED_DIAG=False, **{k: v for k, v in common.items() if k != 'V'}),
                  dict(floats=('scale',), **chunks), [(2, 2, None), (4, 2, None)]),
     'pair_fwd_bounded': (chunk_pair_fwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=32, FACTORED_DIAG=True, **{k: v for k, v in common.items() if k != 'V'}),
@@ -57,7 +60,11 @@ KERNELS = {
                   dict(BK=32, BV=32, **common), dict(floats=('scale',), **chunks), [(4, 1, None), (8, 1, None)]),
     'pair_bwd': (chunk_pair_bwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=64, **{k: v for k, v in common.items() if k != 'V'}),
                  chunks, [(4, 1, None), (4, 2, None), (2, 1, None)]),
-    'gate_bwd': (chunk_gate_bwd_kernel, {}, dict(HV=16, K=128, BT=64, BK=32, IS_VARLEN=False), chunks, [(4, 2, None)]),
+    'gate_bwd': (chunk_gate_bwd_kernel, {}, dict(HV=16, K=128, BT=64, BK=32, GATE='none', IS_VARLEN=False),
+                 dict(floats=('lower_bound',), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'a', 'bias', 'da', 'dbias')),
+                 [(4, 2, None)]),
+    'gate_bwd_gate': (chunk_gate_bwd_kernel, dict(g=bf), dict(HV=16, K=128, BT=64, BK=32, GATE='sigmoid', IS_VARLEN=False),
+                      dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),
     'state_fwd': (chunk_state_fwd_kernel, dict(k=bf, w=bf, u=bf, h=bf, v_new=bf),
                   dict(BK=128, BV=32, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, **common),
                   dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0', 'ht')),

@@ -16,14 +16,16 @@ when the gate is bounded (lower_bound: a factor stays below exp(75)); otherwise 
 reference-row scheme is applied once more inside it, on groups of 4 rows, and only the 4 x 4
 diagonal groups are formed element by element.
 
-Three kernels, in order: ``chunk_cumsum_kernel`` (c), ``chunk_pair_fwd_kernel`` (Aqk and A', one
-program per row block of a chunk), ``chunk_solve_kernel`` (M, W, U, one program per chunk).
+Three kernels, in order: ``chunk_cumsum_kernel`` (c; the in-kernel gate's activation too),
+``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a chunk),
+``chunk_solve_kernel`` (M, W, U, one program per chunk).
 """
 import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, diag_factors, exp_nonpos, load_row,
                                       load_rows, load_tile, mm, store_tile)
+from kda.kernels.gate import gate_fwd, gate_params
 
 
 @triton.jit
@@ -120,21 +122,26 @@ def unit_lower_inverse(b_A, BT: tl.constexpr):
 
 @triton.jit
 def chunk_cumsum_kernel(
-    g, gc,
+    g, a, bias, gc,
     cu_seqlens, chunk_indices,
-    T, NT,
+    lower_bound, T, NT,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice. A positive log-decay
-    breaks the contract (g <= 0) that the safe factorizations rely on: its key channel becomes NaN
-    for the whole chunk, so this chunk's outputs and everything after are NaN rather than silently
-    wrong."""
+    """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice; with ``GATE`` (see
+    ``kernels/gate.py``) ``g`` is the raw gate, activated here (``a``: ``exp(A_log)`` per head,
+    ``bias``: ``dt_bias``). A positive log-decay breaks the contract (g <= 0) that the safe
+    factorizations rely on: its key channel becomes NaN for the whole chunk, so this chunk's
+    outputs and everything after are NaN rather than silently wrong."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
-    b_g = clamp_log_decay(load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK))
+    b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
+    if GATE != 'none':
+        b_a, b_bias = gate_params(a, bias, i_hv, i_k * BK, K, BK)
+        b_g = gate_fwd(b_g + b_bias[None, :], b_a, lower_bound, GATE)
+    b_g = clamp_log_decay(b_g)
     b_c = tl.cumsum(b_g, axis=0)
     b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)
     store_tile(gc + start * HV * K + i_hv * K, b_c, 0, L, HV * K, i_k * BK, K, BT, BK)

@@ -18,13 +18,15 @@ sum of ``dc`` (``c_last`` feeds the last row), zero where the forward clamped ``
 
 Three kernels, in order: ``chunk_intra_bwd_kernel`` (one program per chunk: everything above the
 pair products; dq, dk, dc so far), ``chunk_pair_bwd_kernel`` (one program per ``[BC, BK]`` tile:
-adds the pair-product terms), ``chunk_gate_bwd_kernel`` (dc -> dg).
+adds the pair-product terms), ``chunk_gate_bwd_kernel`` (dc -> dg; through the in-kernel gate to
+the raw gate, A_log and dt_bias when there is one).
 """
 import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, diag_factors, diag_reference,
                                       exp_nonpos, load_row, load_tile, mm, scale_rows, store_tile)
+from kda.kernels.gate import gate_bwd, gate_fwd, gate_params
 
 
 @triton.jit
@@ -252,14 +254,17 @@ def chunk_pair_bwd_kernel(
 
 @triton.jit
 def chunk_gate_bwd_kernel(
-    g, dg,
+    g, a, bias, dg, da, dbias,
     cu_seqlens, chunk_indices,
-    T, NT,
+    lower_bound, T, NT,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """``dg`` from ``dc`` (in place): ``c`` is the in-chunk cumulative sum of ``g``, so
-    ``dg_i = sum_{j >= i} dc_j``; zero where the forward clamped ``g`` at the floor."""
+    ``dg_i = sum_{j >= i} dc_j``; zero where the forward clamped ``g`` at the floor. With ``GATE``
+    (``kernels/gate.py``), ``g`` is the raw gate: ``dg`` becomes its gradient, and this chunk's
+    sums over its tokens of the ``dt_bias`` and ``A_log`` gradients go to ``dbias`` and ``da``
+    (``[chunks, HV, K]``; the launcher sums them)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK
@@ -267,5 +272,18 @@ def chunk_gate_bwd_kernel(
     dg_base = dg + start * HV * K + i_hv * K
     b_dc = load_tile(dg_base, 0, L, HV * K, i_k * BK, K, BT, BK)
     b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
+    # Rows past L hold dc = 0, so their dg is 0 too.
     b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
-    store_tile(dg_base, tl.where(b_g < LOG_DECAY_FLOOR, 0., b_dg), 0, L, HV * K, i_k * BK, K, BT, BK)
+    if GATE != 'none':
+        b_a, b_bias = gate_params(a, bias, i_hv, i_k * BK, K, BK)
+        b_x = b_g + b_bias[None, :]
+        b_dg = tl.where(gate_fwd(b_x, b_a, lower_bound, GATE) < LOG_DECAY_FLOOR, 0., b_dg)
+        b_dx, b_dA = gate_bwd(b_x, b_a, lower_bound, GATE)
+        b_dx *= b_dg
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_sum = (i_c.to(tl.int64) * HV + i_hv) * K + o_k
+        tl.store(dbias + p_sum, tl.sum(b_dx, axis=0), mask=o_k < K)
+        tl.store(da + p_sum, tl.sum(b_dA * b_dg, axis=0), mask=o_k < K)
+        store_tile(dg_base, b_dx, 0, L, HV * K, i_k * BK, K, BT, BK)
+    else:
+        store_tile(dg_base, tl.where(b_g < LOG_DECAY_FLOOR, 0., b_dg), 0, L, HV * K, i_k * BK, K, BT, BK)

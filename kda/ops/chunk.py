@@ -13,7 +13,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint
 import triton
 import triton.language as tl
 
@@ -22,7 +21,7 @@ from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_k
 from kda.kernels.chunk_output import chunk_output_fwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
-from kda.ops.gate import activate_beta, activate_gate
+from kda.ops.gate import KernelGate, activate_beta, activate_gate
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
 from kda.ops.utils import cdiv, contiguous, next_pow2, state_strides, use_kernels
 from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
@@ -106,14 +105,23 @@ def launch_config(stage: str, K: int, V: int) -> dict:
     return cfg
 
 
+def gate_launch_args(gate: KernelGate | None, HV: int, K: int, device) -> dict:
+    """The gate arguments of the kernels that read ``g`` (``kernels/gate.py``)."""
+    if gate is None:
+        return dict(a=None, bias=None, lower_bound=0.0, GATE='none')
+    a, bias = gate.operands(HV, K, device)
+    return dict(a=a, bias=bias, lower_bound=gate.lower_bound, GATE=gate.kind)
+
+
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                  cu_seqlens, layout: ChunkLayout, bounded_gate: bool = False, need_output: bool = True,
-                  chunk_state_dtype: torch.dtype | None = None):
+                  cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
+                  need_output: bool = True, chunk_state_dtype: torch.dtype | None = None):
     """Runs the three forward stages (the third only with ``need_output``). Returns
     ``(o, final_state, intermediates)`` where the intermediates are
-    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``. ``bounded_gate``: every log-decay step is >= -5
-    (the lower-bound gate), which lets the in-chunk diagonal blocks use the tensor cores (see
-    ``kernels/chunk_intra.py``). The per-chunk states ``h`` are kept in
+    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``. ``gate``: ``g`` is the raw gate, activated in the
+    first kernel; under the lower-bound gate every log-decay step is >= -5, which lets the
+    in-chunk diagonal blocks use the tensor cores (see ``kernels/chunk_intra.py``). The per-chunk
+    states ``h`` are kept in
     ``chunk_state_dtype`` (default: the input dtype, which is what every later product rounds
     them to anyway; float32 for states handed to the user)."""
     B, T, H, K = q.shape
@@ -132,11 +140,12 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
     cfg = launch_config('cumsum', K, V)
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
-        g, gc, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'], **chunks, **cfg)
+        g, gc=gc, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'], **gate_launch_args(gate, HV, K, dev),
+        **chunks, **cfg)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'],
         # float16 operands would overflow at exp(75) (their range ends at 65504).
-        FACTORED_DIAG=bounded_gate and dt != torch.float16,
+        FACTORED_DIAG=gate is not None and gate.bounded and dt != torch.float16,
         IS_VARLEN=common['IS_VARLEN'], **chunks, **launch_config('pair_fwd', K, V))
     chunk_solve_kernel[(layout.total, HV)](
         k, v, beta, gc, Akk, Minv, w, u, BC=BC, **common, **chunks, **launch_config('solve', K, V))
@@ -171,10 +180,11 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
 
 def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
-                  layout: ChunkLayout, do, dht, saved=None, bounded_gate: bool = False):
+                  layout: ChunkLayout, do, dht, saved=None, gate: KernelGate | None = None):
     """Gradients of ``chunk_kda_fwd``: recomputes stages 1-2 (unless ``saved`` holds them), sweeps
     the state gradient backwards, then forms every per-token gradient chunk by chunk.
-    Returns ``(dq, dk, dv, dg, dbeta, dh0)`` in float32 (dq, dk summed over GVA groups)."""
+    Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)`` in float32 (dq, dk summed over GVA
+    groups; ``dg`` of the raw gate with ``gate``; the last two None without the option)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -183,7 +193,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
     if saved is None:
         _, _, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, False, state_v_first,
-                                    cu_seqlens, layout, bounded_gate, need_output=False)
+                                    cu_seqlens, layout, gate, need_output=False)
     gc, Aqk, Akk, Minv, w, u, h, v_new = saved
 
     blocks = launch_config('state_bwd', K, V)
@@ -214,52 +224,65 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'], IS_VARLEN=common['IS_VARLEN'],
         **cfg)
     cfg = launch_config('gate_bwd', K, V)
+    # Per-chunk sums of the A_log and dt_bias gradients (tokens of a chunk summed in the kernel).
+    da = dbias = None
+    if gate is not None:
+        da = torch.empty(layout.total, HV, K, dtype=torch.float32, device=dev)
+        dbias = torch.empty_like(da)
     chunk_gate_bwd_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
-        g, dg, cu_seqlens, layout.indices, T, layout.NT,
-        HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'], **cfg)
+        g, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T,
+        NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
+        **gate_launch_args(gate, HV, K, dev), **cfg)
+    dA_log = da.sum((0, 2)) if gate is not None and gate.A_log is not None else None
+    ddt_bias = dbias.sum(0).view(HV * K) if gate is not None and gate.dt_bias is not None else None
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
-    return dq, dk, dv, dg, dbeta, dh0
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Differentiable in q, k, v, g, beta and the initial state; the final state's gradient flows
+    """Differentiable in q, k, v, g, beta and the initial state (and, with the in-kernel gate,
+    ``gate_kind`` not None, in the raw g, A_log and dt_bias); the final state's gradient flows
     back through every chunk. With ``qk_l2norm`` q and k are normalized here and only their
     inverse norms are kept: the backward normalizes them again (0.06 ms a tensor at
-    (8, 4096, 16) on the H200) instead of keeping two more [B, T, H, K] tensors."""
+    (8, 4096, 16) on the H200) instead of keeping two more [B, T, H, K] tensors. The gate is
+    activated inside the first kernel, forward and recompute, so nothing of it is kept either."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
-                cu_seqlens, layout, qk_l2norm, bounded_gate, disable_recompute):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                state_v_first, cu_seqlens, layout, qk_l2norm, gate_kind, lower_bound,
+                disable_recompute):
         rq = rk = None
         qn, kn = q, k
         if qk_l2norm:
             (qn, rq), (kn, rk) = l2norm_fwd(q), l2norm_fwd(k)
+        gate = None if gate_kind is None else KernelGate(gate_kind, A_log, dt_bias, lower_bound)
         o, final_state, saved = chunk_kda_fwd(qn, kn, v, g, beta, scale, initial_state,
                                               output_final_state, state_v_first, cu_seqlens, layout,
-                                              bounded_gate)
-        ctx.save_for_backward(q, k, rq, rk, v, g, beta, initial_state, cu_seqlens)
+                                              gate)
+        ctx.save_for_backward(q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         ctx.saved_intermediates = saved if disable_recompute else None
         ctx.scale, ctx.state_v_first, ctx.layout = scale, state_v_first, layout
-        ctx.qk_l2norm, ctx.bounded_gate = qk_l2norm, bounded_gate
+        ctx.qk_l2norm, ctx.gate_kind, ctx.lower_bound = qk_l2norm, gate_kind, lower_bound
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, rq, rk, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
         qn, kn = q, k
         if ctx.qk_l2norm:
             qn, kn = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
+        gate = None if ctx.gate_kind is None else KernelGate(ctx.gate_kind, A_log, dt_bias, ctx.lower_bound)
+        dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_kda_bwd(
             qn, kn, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
             do.contiguous(), None if dht is None else dht.contiguous(), ctx.saved_intermediates,
-            ctx.bounded_gate)
+            gate)
         ctx.saved_intermediates = None
         if ctx.qk_l2norm:
             dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
-                None, dh0, None, None, None, None, None, None, None)
+                dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None, None)
 
 
 def chunk_kda(
@@ -313,18 +336,11 @@ def chunk_kda(
         raise ValueError("return_intermediate_states=True is for inference only; call it under "
                          "torch.no_grad() or with inputs that do not require grad")
 
-    if use_gate_in_kernel:
-        if needs_grad:
-            # Recomputed in the backward rather than kept: autograd would hold two float32
-            # [B, T, HV, K] intermediates of the activation (x and its sigmoid; 536 MB at
-            # (8, 4096, 16)), which lifted the training peak from 0.78x to 0.88x FLA's.
-            g = torch.utils.checkpoint.checkpoint(activate_gate, g, A_log, dt_bias, lower_bound,
-                                                  use_reentrant=False)
-        else:
-            g = activate_gate(g, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = activate_beta(beta, allow_neg_eigval)
     if not use_kernels(q):
+        if use_gate_in_kernel:
+            g = activate_gate(g, A_log, dt_bias, lower_bound)
         if return_intermediate_states:
             raise ValueError("return_intermediate_states needs the Triton kernels (a GPU, or "
                              "TRITON_INTERPRET=1 on the CPU)")
@@ -332,21 +348,24 @@ def chunk_kda(
                                    use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, q.device)
-    # The lower-bound gate keeps every step's log-decay in [lower_bound, 0] with lower_bound >= -5.
-    bounded_gate = use_gate_in_kernel and lower_bound is not None
+    # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
+    # ops it took five float32 passes over [B, T, HV, K] each way (H200, (8, 4096, 16), Kimi
+    # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
+    gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
     if return_intermediate_states or not needs_grad:
         # Inference: nothing is kept for a backward. States handed to the user stay float32.
         if use_qk_l2norm_in_kernel:
             q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
         o, final_state, saved = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
-            cu_seqlens, layout, bounded_gate,
+            cu_seqlens, layout, gate,
             chunk_state_dtype=torch.float32 if return_intermediate_states else None)
         if not return_intermediate_states:
             return o, final_state
         h = saved[6]
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
-    return ChunkKDAFunction.apply(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
-                                  state_v_first, cu_seqlens, layout, use_qk_l2norm_in_kernel,
-                                  bounded_gate, disable_recompute)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, problem.scale, initial_state,
+                                  output_final_state, state_v_first, cu_seqlens, layout,
+                                  use_qk_l2norm_in_kernel, gate and gate.kind,
+                                  gate and gate.lower_bound, disable_recompute)

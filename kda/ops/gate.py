@@ -5,12 +5,46 @@
                                                                         the factor exp(A_log) is 1)
     beta = sigmoid(beta_raw)   or   2 * sigmoid(beta_raw)   (allow_neg_eigval)
 
-These are elementwise PyTorch ops, differentiable by autograd, computed in float32.
+``chunk_kda`` applies the gate inside its kernels (``kernels/gate.py``; ``KernelGate`` below says
+which); ``fused_recurrent_kda`` and the PyTorch paths use the elementwise ops here, differentiable
+by autograd, computed in float32. beta is always activated here: it is 1/K the size of g.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class KernelGate:
+    """The in-kernel gate of ``chunk_kda``: ``kind`` is ``'softplus'`` (no lower bound) or
+    ``'sigmoid'`` (``lower_bound``), as ``kernels/gate.py`` names them."""
+    kind: str
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    lower_bound: float
+
+    @staticmethod
+    def of(A_log, dt_bias, lower_bound) -> KernelGate:
+        if lower_bound is None:
+            return KernelGate('softplus', A_log, dt_bias, 0.0)
+        return KernelGate('sigmoid', A_log, dt_bias, float(lower_bound))
+
+    @property
+    def bounded(self) -> bool:
+        """Every step's log-decay lies in [lower_bound, 0], lower_bound >= -5."""
+        return self.kind == 'sigmoid'
+
+    def operands(self, HV: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(exp(A_log), dt_bias)`` as the kernels read them: float32 ``[HV]`` and ``[HV * K]``,
+        ones and zeros where the option is absent."""
+        a = (self.A_log.detach().float().exp() if self.A_log is not None
+             else torch.ones(HV, dtype=torch.float32, device=device))
+        bias = (self.dt_bias.detach().float().contiguous() if self.dt_bias is not None
+                else torch.zeros(HV * K, dtype=torch.float32, device=device))
+        return a, bias
 
 
 def activate_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
