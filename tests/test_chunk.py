@@ -301,6 +301,20 @@ def test_gate_and_beta_in_kernel(gate):
                                   output_final_state=True)
     rg = torch.autograd.grad((ro * to64(do)).sum() + (rht * to64(dht)).sum(), [L[n] for n in names])
     errs = errors(o, ht, dict(zip(names, (t.cpu() for t in gk))), ro, rht, dict(zip(names, rg)))
+    if gate == 'A_log_wide':
+        # dA_log = sum dg/dstep * step is ill-conditioned here: steps near -100 multiply the
+        # rounding of dg (1e-5 of its norm) while their true products vanish; against the
+        # reference it measured 1e-4 .. 3e-3 on three seeds, before and after the gate moved
+        # into the kernels. Checked instead through the kernel's own g_raw gradient:
+        # dg_raw = dg/dstep * (-a sigmoid(x)), so dA_log = sum dg_raw softplus(x) / sigmoid(x),
+        # and dg_raw = 0 where the step was clamped at -104.
+        errs.pop('dA_log')
+        dgr, xr = to64(gk[names.index('g')]), to64(x['g'])
+        a = to64(extra['A_log']).exp()[:, None]
+        clamped = -a * F.softplus(xr) < -104
+        assert clamped.any() and (dgr[clamped] == 0).all()
+        want = (dgr * F.softplus(xr) / torch.sigmoid(xr)).sum((0, 1, 3))
+        assert_errs({'dA_log': rel_err(gk[names.index('A_log')].cpu(), want)}, TOL, 'dA_log')
     assert_errs(errs, TOL, f"in-kernel gate {gate}")
 
 

@@ -12,9 +12,10 @@ The exponents ``c_i - c_j`` are never split into ``exp(c_i) * exp(-c_j)`` over a
 overflows once a chunk's decay passes float32's range. The chunk is cut into ``BC``-row
 sub-blocks: an off-diagonal block (I > J) factors through the last row ``r`` of block J,
 ``exp(c_i - r) * exp(r - c_j)``, both factors <= 1. A diagonal block factors through its first row
-when the gate is bounded (lower_bound: a factor stays below exp(75)); otherwise the same
-reference-row scheme is applied once more inside it, on groups of 4 rows, and only the 4 x 4
-diagonal groups are formed element by element.
+r, one factor >= 1, for the key entries whose factored size stays in range (all of them unless a
+step decays by more than -5 on average, or keys are huge); the others ("far", float16's all) go
+through the same reference-row scheme once more, on groups of 4 rows, with only the 4 x 4
+diagonal groups formed element by element.
 
 Three kernels, in order: ``chunk_cumsum_kernel`` (c; the in-kernel gate's activation too),
 ``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a chunk),
@@ -50,60 +51,93 @@ def intra_offdiag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, i
     return b_qk, b_kk
 
 
+# Diagonal blocks factor through their first row r: a key enters as k_jd exp(r_d - c_jd) >= k_jd.
+# Entries whose factor would leave the operand range go to the 4-row scheme instead ("far"):
+# FAR_SPAN caps the exponent below float32's exp overflow (88.7), FAR_KEY the factored key below
+# the bf16/float32 maximum (3.4e38) with room for the dot's sums. The lower-bound gate (steps
+# >= -5, so r - c_j <= 75 in a 16-row block) never reaches them for keys below 2.7e3.
+FAR_SPAN = tl.constexpr(82.0)
+FAR_KEY = tl.constexpr(1e36)
+
+
+@triton.jit
+def far_keys(b_k, b_c, b_r, m_r, span):
+    """``(far, k exp(r - c))`` for key rows ``b_k`` with cumulative decays ``b_c`` against the
+    reference row ``b_r``: ``far`` marks the valid entries the factored product cannot carry
+    (exponent above ``span``, a factored key above FAR_KEY, or NaN, which the 4-row scheme passes
+    on). Each entry's choice reads only its own row and r, never a later row."""
+    b_d = b_r[None, :] - b_c
+    b_kd = b_k * tl.exp(tl.where(b_d > span, span, b_d))
+    near = (b_d <= span) & (tl.abs(b_kd) <= FAR_KEY)
+    return m_r & ~near, b_kd
+
+
+@triton.jit
+def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, qk_stride, gc_base, gc_stride, i_i, i_k, L,
+                   span, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Adds the entries of the far keys (``far_keys`` against the block's first row ``b_r0``;
+    ``span < 0`` makes every key far) of diagonal block ``i_i``, key slice ``i_k``, to ``b_qk`` and
+    ``b_kk``, by the off-diagonal scheme one level down: the block is cut into groups of G = 4
+    rows; entries between groups b < a factor through the last row of group b (both factors
+    <= 1), one tensor-core product per group b with the other rows and columns zeroed; the 4 x 4
+    diagonal groups are formed element by element, one gathered column per row at a time.
+    Entries (i, j) read rows <= i only; entries of near keys get exact zeros added."""
+    G: tl.constexpr = 4
+    o_i = tl.arange(0, BC)
+    o_g = o_i // G
+    b_far, _ = far_keys(b_k, b_c, b_r0, ((i_i * BC + o_i) < L)[:, None], span)
+    b_kf = tl.where(b_far, b_k, 0.)
+    for b in range(BC // G - 1):
+        b_r = load_row(gc_base, i_i * BC + b * G + G - 1, L, gc_stride, i_k * BK, K, BK)
+        b_up = tl.where((o_g > b)[:, None], exp_nonpos(b_c - b_r[None, :]), 0.)
+        b_kdt = tl.trans(tl.where((o_g == b)[:, None], b_kf * exp_nonpos(b_r[None, :] - b_c), 0.))
+        b_qk += mm(b_q * b_up, b_kdt, DOT_DTYPE)
+        b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
+    for t in range(G):
+        o_j = o_g * G + t
+        b_kj = load_rows(k_base, i_i * BC + o_j, L, qk_stride, i_k * BK, K, BK)
+        b_cj = load_rows(gc_base, i_i * BC + o_j, L, gc_stride, i_k * BK, K, BK)
+        b_farj, _ = far_keys(b_kj, b_cj, b_r0, ((i_i * BC + o_j) < L)[:, None], span)
+        b_kj = tl.where(b_farj, b_kj * exp_nonpos(b_c - b_cj), 0.)
+        m_e = o_i[None, :] == o_j[:, None]
+        b_qk += tl.where(m_e, tl.sum(b_q * b_kj, axis=1)[:, None], 0.)
+        b_kk += tl.where(m_e, tl.sum(b_k * b_kj, axis=1)[:, None], 0.)
+    return b_qk, b_kk
+
+
 @triton.jit
 def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K: tl.constexpr,
                         BC: tl.constexpr, BK: tl.constexpr, FACTORED: tl.constexpr,
                         DOT_DTYPE: tl.constexpr):
     """The same for the diagonal block ``I = J`` (entries j > i are garbage).
 
-    ``FACTORED`` (the gate is bounded: every step's log-decay >= -5): through the block's first
-    row r on the tensor cores, ``exp(c_i - r) <= 1`` times ``exp(r - c_j) <= exp(15 * 5)``
-    = 3.7e32, within float32/bfloat16 range; an entry j <= i is the true decayed product, only the
-    masked entries j > i can overflow. (Keys beyond ~1e6 would overflow ``k * exp(75)``;
-    the delta rule is unstable long before, as ``beta k k^T`` reaches 1e12.) r is the block's
-    first row so that no row's rounding
-    depends on a later row (bit-exact causality).
-
-    Otherwise (any g <= 0) the block is cut into groups of G = 4 rows, the off-diagonal scheme one
-    level down: entries between groups b < a factor through the last row of group b (both
-    factors <= 1), one tensor-core product per group b with the other rows and columns zeroed;
-    the 4 x 4 diagonal groups are formed element by element, one gathered column per row at a
-    time. Every entry (i, j) reads rows <= i only, as in the factored case."""
+    ``FACTORED`` (bf16 and float32 operands): through the block's first row r on the tensor cores,
+    ``exp(c_i - r) <= 1`` times ``exp(r - c_j) >= 1``, for every key entry that ``far_keys`` keeps
+    in range (for any gate that lets every step's log-decay be above -5, every key below 2.7e3);
+    only when a slice of the block has far entries are those added by ``group_products``. The
+    choice is per key entry and reads its own row and r only, so no entry's rounding depends on a
+    later row (bit-exact causality); adding the zeros of near entries changes no bit.
+    Otherwise (float16, whose range ends at 65504): ``group_products`` for every entry."""
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-    o_i = tl.arange(0, BC)
-    m_r = ((i_i * BC + o_i) < L)[:, None]
-    if FACTORED:
-        for i_k in range(tl.cdiv(K, BK)):
-            b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-            b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-            b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
-            b_r = load_row(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BK)
-            b_up, b_dn = diag_factors(b_c, b_r, m_r)
-            b_kdt = tl.trans(b_k * b_dn)
+    m_r = ((i_i * BC + tl.arange(0, BC)) < L)[:, None]
+    for i_k in range(tl.cdiv(K, BK)):
+        b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+        b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
+        b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
+        b_r = load_row(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BK)
+        if FACTORED:
+            b_far, b_kd = far_keys(b_k, b_c, b_r, m_r, FAR_SPAN)
+            b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :]), 0.)
+            b_kdt = tl.trans(tl.where(b_far, 0., b_kd))
             b_qk += mm(b_q * b_up, b_kdt, DOT_DTYPE)
             b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
-    else:
-        G: tl.constexpr = 4
-        o_g = o_i // G
-        for i_k in range(tl.cdiv(K, BK)):
-            b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-            b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-            b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
-            for b in range(BC // G - 1):
-                b_r = load_row(gc_base, i_i * BC + b * G + G - 1, L, gc_stride, i_k * BK, K, BK)
-                b_up = tl.where((o_g > b)[:, None], exp_nonpos(b_c - b_r[None, :]), 0.)
-                b_kdt = tl.trans(tl.where((o_g == b)[:, None], b_k * exp_nonpos(b_r[None, :] - b_c), 0.))
-                b_qk += mm(b_q * b_up, b_kdt, DOT_DTYPE)
-                b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
-            for t in range(G):
-                o_j = o_g * G + t
-                b_kj = load_rows(k_base, i_i * BC + o_j, L, qk_stride, i_k * BK, K, BK)
-                b_cj = load_rows(gc_base, i_i * BC + o_j, L, gc_stride, i_k * BK, K, BK)
-                b_kj *= exp_nonpos(b_c - b_cj)
-                m_j = o_i[None, :] == o_j[:, None]
-                b_qk += tl.where(m_j, tl.sum(b_q * b_kj, axis=1)[:, None], 0.)
-                b_kk += tl.where(m_j, tl.sum(b_k * b_kj, axis=1)[:, None], 0.)
+            if tl.max(b_far.to(tl.int32)) > 0:
+                b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, qk_stride, gc_base,
+                                            gc_stride, i_i, i_k, L, FAR_SPAN, K, BC, BK, DOT_DTYPE)
+        else:
+            b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, qk_stride, gc_base,
+                                        gc_stride, i_i, i_k, L, -1.0, K, BC, BK, DOT_DTYPE)
     return b_qk, b_kk
 
 

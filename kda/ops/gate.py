@@ -32,11 +32,6 @@ class KernelGate:
             return KernelGate('softplus', A_log, dt_bias, 0.0)
         return KernelGate('sigmoid', A_log, dt_bias, float(lower_bound))
 
-    @property
-    def bounded(self) -> bool:
-        """Every step's log-decay lies in [lower_bound, 0], lower_bound >= -5."""
-        return self.kind == 'sigmoid'
-
     def operands(self, HV: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(exp(A_log), dt_bias)`` as the kernels read them: float32 ``[HV]`` and ``[HV * K]``,
         ones and zeros where the option is absent."""
