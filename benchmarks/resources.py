@@ -45,11 +45,11 @@ common = dict(H=16, HV=16, K=128, V=128, BT=64, DOT_DTYPE=tl.bfloat16, IS_VARLEN
 chunks = dict(ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices'))
 # name: (kernel, pointer dtypes, constexprs, other argument kinds, [(num_warps, num_stages, maxnreg)])
 KERNELS = {
-    'cumsum': (chunk_cumsum_kernel, {}, dict(HV=16, K=128, BT=64, BK=64, GATE='none', IS_VARLEN=False),
-               dict(floats=('lower_bound',), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'a', 'bias')),
+    'cumsum': (chunk_cumsum_kernel, dict(q=bf, k=bf, qt=bf, kbar=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='none', IS_VARLEN=False),
+               dict(floats=('scale', 'lower_bound'), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'a', 'bias')),
                [(4, 2, None)]),
-    'cumsum_gate': (chunk_cumsum_kernel, dict(g=bf), dict(HV=16, K=128, BT=64, BK=64, GATE='sigmoid', IS_VARLEN=False),
-                    dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),
+    'cumsum_gate': (chunk_cumsum_kernel, dict(g=bf, q=bf, k=bf, qt=bf, kbar=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='sigmoid', IS_VARLEN=False),
+                    dict(floats=('scale', 'lower_bound'), **chunks), [(4, 2, None)]),
     'pair_fwd': (chunk_pair_fwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=32, FACTORED_DIAG=True, **{k: v for k, v in common.items() if k != 'V'}),
                  dict(floats=('scale',), **chunks), [(2, 2, None), (4, 2, None)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(q='*fp16', k='*fp16'), dict(BC=16, BK=32, FACTORED_DIAG=False, **{k: v for k, v in common.items() if k not in ('V', 'DOT_DTYPE')}, DOT_DTYPE=tl.float16),
@@ -65,16 +65,16 @@ KERNELS = {
                  [(4, 2, None)]),
     'gate_bwd_gate': (chunk_gate_bwd_kernel, dict(g=bf), dict(HV=16, K=128, BT=64, BK=32, GATE='sigmoid', IS_VARLEN=False),
                       dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),
-    'state_fwd': (chunk_state_fwd_kernel, dict(k=bf, w=bf, u=bf, h=bf, v_new=bf),
+    'state_fwd': (chunk_state_fwd_kernel, dict(kbar=bf, w=bf, u=bf, h=bf, v_new=bf),
                   dict(BK=128, BV=32, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, **common),
                   dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0', 'ht')),
                   [(4, 2, None), (8, 2, None)]),
-    'state_bwd': (chunk_state_bwd_kernel, dict(q=bf, k=bf, w=bf, do=bf, dh=bf),
+    'state_bwd': (chunk_state_bwd_kernel, dict(qt=bf, kbar=bf, w=bf, do=bf, dh=bf),
                   dict(BK=128, BV=64, USE_FINAL_STATE_GRADIENT=False, STORE_INITIAL_STATE_GRADIENT=False, **common),
-                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), floats=('scale',), nones=('cu_seqlens', 'chunk_offsets', 'dht', 'dh0')),
+                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'dht', 'dh0')),
                   [(8, 2, None)]),
-    'output': (chunk_output_fwd_kernel, dict(q=bf, h=bf, v_new=bf, o=bf), dict(BK=64, BV=128, **common),
-               dict(floats=('scale',), **chunks), [(8, 3, None)]),
+    'output': (chunk_output_fwd_kernel, dict(qt=bf, h=bf, v_new=bf, o=bf), dict(BK=64, BV=128, **common),
+               chunks, [(8, 3, None)]),
 }
 for name in sys.argv[1:] or KERNELS:
     fn, ptrs, cx, kinds, launches = KERNELS[name]

@@ -43,21 +43,23 @@ def cfg(BK=None, BV=None, w=4, s=2, r=None):
 
 
 CANDIDATES = {
-    'cumsum': [cfg(64, None, 4, 2)],
+    'cumsum': [cfg(64, None, 4, 2), cfg(32, None, 4, 2), cfg(64, None, 8, 2), cfg(128, None, 8, 2)],
     'pair_fwd': [cfg(64, None, 4, 2), cfg(64, None, 4, 3), cfg(32, None, 4, 2), cfg(32, None, 2, 2),
                  cfg(64, None, 8, 2), cfg(16, None, 2, 2)],
-    'solve': [cfg(64, 64, 4, 2)],
+    'solve': [cfg(64, 64, 4, 2), cfg(32, 64, 4, 2), cfg(64, 64, 4, 3)],
     'intra_bwd': [cfg(32, 32, 4, 1)],
     'pair_bwd': [cfg(32, None, 4, 1), cfg(32, None, 4, 2), cfg(16, None, 2, 1), cfg(64, None, 8, 1),
                  cfg(64, None, 4, 2), cfg(16, None, 4, 1)],
     'gate_bwd': [cfg(32, None, 4, 2)],
-    'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 2)],
-    'state_bwd': [cfg(None, 64, 8, 2), cfg(None, 32, 4, 2)],
-    'output': [cfg(64, 128, 8, 3)],
+    'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 3),
+                  cfg(None, 64, 4, 3), cfg(None, 16, 4, 2)],
+    'state_bwd': [cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 3),
+                  cfg(None, 32, 8, 2)],
+    'output': [cfg(64, 128, 8, 3), cfg(64, 64, 4, 2), cfg(128, 64, 8, 2), cfg(64, 128, 8, 2),
+               cfg(128, 128, 8, 2)],
 }
 # (B, T, H, Kimi lower-bound gate)
 SHAPES = {stage: [(8, 4096, 16, False)] for stage in CANDIDATES}
-SHAPES['pair_fwd'] = [(8, 4096, 16, False), (8, 4096, 16, True)]
 SHAPES['state_fwd'] = SHAPES['state_bwd'] = [(8, 4096, 16, False), (1, 32768, 32, False), (1, 8192, 96, False)]
 
 

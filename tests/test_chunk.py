@@ -309,7 +309,7 @@ def test_gate_and_beta_in_kernel(gate):
         # dg_raw = dg/dstep * (-a sigmoid(x)), so dA_log = sum dg_raw softplus(x) / sigmoid(x),
         # and dg_raw = 0 where the step was clamped at -104.
         errs.pop('dA_log')
-        dgr, xr = to64(gk[names.index('g')]), to64(x['g'])
+        dgr, xr = to64(gk[names.index('g')].cpu()), to64(x['g'])
         a = to64(extra['A_log']).exp()[:, None]
         clamped = -a * F.softplus(xr) < -104
         assert clamped.any() and (dgr[clamped] == 0).all()

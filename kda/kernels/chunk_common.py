@@ -92,17 +92,6 @@ def load_row(base, row, n_rows, row_stride, col0, n_cols, BC: tl.constexpr):
 
 
 @triton.jit
-def keys_to_chunk_end(k_base, k_stride, gc_base, gc_stride, n, K: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr):
-    """For the ``n`` valid rows of a chunk: the cumulative log-decay ``c`` ``[BT, BK]``, its last
-    row ``c_last`` and the keys decayed to the chunk's end, ``k * exp(c_last - c)``."""
-    b_c = load_tile(gc_base, 0, n, gc_stride, 0, K, BT, BK)
-    b_last = load_row(gc_base, n - 1, n, gc_stride, 0, K, BK)
-    b_k = load_tile(k_base, 0, n, k_stride, 0, K, BT, BK)
-    return b_c, b_last, b_k * exp_nonpos(b_last[None, :] - b_c)
-
-
-@triton.jit
 def mm(a, b, DOT_DTYPE: tl.constexpr):
     """``a @ b`` with float32 accumulation. Operands are float32 blocks; for float32 inputs the
     product is exact float32 (no tf32), otherwise the operands are rounded to the input dtype so

@@ -4,7 +4,7 @@ For each chunk in order, with incoming state ``S`` (``[K, V]``) and the stage-1 
 
     h_c = S                                              (kept for the output stage and backward)
     dV  = U - W S                                        (the chunk's delta-rule corrections)
-    S   = Diag(exp(c_last)) S + (k * exp(c_last - c))^T dV
+    S   = Diag(exp(c_last)) S + Kbar^T dV                   (Kbar = k exp(c_last - c), from stage 1)
 
 One program owns a ``[K, BV]`` slice of one sequence's state for one value head and walks that
 sequence's chunks; the state stays in registers in float32.
@@ -12,13 +12,13 @@ sequence's chunks; the state stays in registers in float32.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, keys_to_chunk_end, load_tile, mm, sequence_span,
-                                      state_tile, store_tile)
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
+                                      store_tile)
 
 
 @triton.jit
 def chunk_state_fwd_kernel(
-    k, w, u, gc,
+    kbar, w, u, gc,
     h, v_new, h0, ht,
     cu_seqlens, chunk_offsets,
     T, NT,
@@ -31,7 +31,6 @@ def chunk_state_fwd_kernel(
     # (sequence, head) on axis 0, which allows 2^31 - 1 programs; axis 1 stops at 65535.
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
     bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
 
     o_s, m_s = state_tile(i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
@@ -47,8 +46,8 @@ def chunk_state_fwd_kernel(
         b_u = load_tile(u + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_d = b_u - mm(b_w, b_h, DOT_DTYPE)
         store_tile(v_new + row0 * HV * V + i_hv * V, b_d, 0, n, HV * V, i_v * BV, V, BT, BV)
-        _, b_last, b_kbar = keys_to_chunk_end(k + row0 * H * K + i_h * K, H * K,
-                                              gc + row0 * HV * K + i_hv * K, HV * K, n, K, BT, BK)
+        b_kbar = load_tile(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
         b_h = b_h * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_kbar), b_d, DOT_DTYPE)
 
     if STORE_FINAL_STATE:

@@ -2,7 +2,8 @@
 
 With ``dS`` the gradient of the state after chunk c (the final-state gradient for the last chunk)
 and the forward's ``O = Qt h_c + Aqk dV``, ``dV = U - W h_c``,
-``S' = Diag(exp(c_last)) h_c + Kbar^T dV`` (``Qt = scale q exp(c)``, ``Kbar = k exp(c_last - c)``)::
+``S' = Diag(exp(c_last)) h_c + Kbar^T dV`` (``Qt = scale q exp(c)``, ``Kbar = k exp(c_last - c)``,
+both from stage 1)::
 
     dh_c  = dS                                           (kept for the per-chunk gradient stage)
     d(dV) = Aqk^T dO + Kbar dS
@@ -13,16 +14,16 @@ The last ``dS`` is the gradient of the initial state.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, keys_to_chunk_end, load_tile, mm, sequence_span,
-                                      state_tile, store_tile)
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
+                                      store_tile)
 
 
 @triton.jit
 def chunk_state_bwd_kernel(
-    q, k, w, gc, Aqk, do,
+    qt, kbar, w, gc, Aqk, do,
     dh, dv_new, dht, dh0,
     cu_seqlens, chunk_offsets,
-    scale, T, NT,
+    T, NT,
     stride_sk, stride_sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -31,7 +32,6 @@ def chunk_state_bwd_kernel(
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
     bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
 
     o_t = tl.arange(0, BT)
@@ -48,12 +48,11 @@ def chunk_state_bwd_kernel(
         b_do = load_tile(do + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_A = load_tile(Aqk + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
         b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.)
-        b_c, b_last, b_kbar = keys_to_chunk_end(k + row0 * H * K + i_h * K, H * K,
-                                                gc + row0 * HV * K + i_hv * K, HV * K, n, K, BT, BK)
+        b_kbar = load_tile(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
         b_ddv = mm(tl.trans(b_A), b_do, DOT_DTYPE) + mm(b_kbar, b_dh, DOT_DTYPE)
         store_tile(dv_new + row0 * HV * V + i_hv * V, b_ddv, 0, n, HV * V, i_v * BV, V, BT, BV)
-        b_q = load_tile(q + row0 * H * K + i_h * K, 0, n, H * K, 0, K, BT, BK)
-        b_qt = b_q * exp_nonpos(b_c) * scale
+        b_qt = load_tile(qt + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
         b_w = load_tile(w + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
         b_dh = (b_dh * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_qt), b_do, DOT_DTYPE)
                 - mm(tl.trans(b_w), b_ddv, DOT_DTYPE))

@@ -118,10 +118,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
                   need_output: bool = True, chunk_state_dtype: torch.dtype | None = None):
     """Runs the three forward stages (the third only with ``need_output``). Returns
     ``(o, final_state, intermediates)`` where the intermediates are
-    ``(gc, Aqk, Akk, Minv, w, u, h, v_new)``. ``gate``: ``g`` is the raw gate, activated in the
-    first kernel. The per-chunk states ``h`` are kept in
-    ``chunk_state_dtype`` (default: the input dtype, which is what every later product rounds
-    them to anyway; float32 for states handed to the user)."""
+    ``(gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt)``. ``gate``: ``g`` is the raw gate, activated
+    in the first kernel. The per-chunk states ``h`` are kept in ``chunk_state_dtype`` (default:
+    the input dtype, which is what every later product rounds them to anyway; float32 for states
+    handed to the user)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -137,9 +137,12 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
     cfg = launch_config('cumsum', K, V)
+    # Decayed keys and queries for the state carry, its gradient sweep and the output stage.
+    kbar = torch.empty(B, T, HV, K, dtype=dt, device=dev)
+    qt = torch.empty(B, T, HV, K, dtype=dt, device=dev)
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
-        g, gc=gc, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'], **gate_launch_args(gate, HV, K, dev),
-        **chunks, **cfg)
+        g, q=q, k=k, gc=gc, qt=qt, kbar=kbar, scale=scale, H=H, HV=HV, K=K, BT=BT,
+        IS_VARLEN=common['IS_VARLEN'], **gate_launch_args(gate, HV, K, dev), **chunks, **cfg)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'],
         # float16's range ends at 65504: no factor >= 1 on its operands.
@@ -162,18 +165,18 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         final_state = torch.empty(shape, dtype=torch.float32, device=dev)
     chunk_state_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
-        k, w, u, gc, h, v_new, initial_state, final_state, cu_seqlens, layout.offsets, T, layout.NT,
+        kbar, w, u, gc, h, v_new, initial_state, final_state, cu_seqlens, layout.offsets, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
         **blocks, **common)
 
-    intermediates = (gc, Aqk, Akk, Minv, w, u, h, v_new)
+    intermediates = (gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt)
     if not need_output:
         return None, final_state, intermediates
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     cfg = launch_config('output', K, V)
     chunk_output_fwd_kernel[(layout.total, cdiv(V, cfg['BV']), HV)](
-        q, gc, h, v_new, Aqk, o, cu_seqlens, layout.indices, scale, T, layout.NT, **cfg, **common)
+        qt, h, v_new, Aqk, o, cu_seqlens, layout.indices, T, layout.NT, **cfg, **common)
     return o, final_state, intermediates
 
 
@@ -192,17 +195,20 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     if saved is None:
         _, _, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, False, state_v_first,
                                     cu_seqlens, layout, gate, need_output=False)
-    gc, Aqk, Akk, Minv, w, u, h, v_new = saved
+    gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt = saved
+    saved = None
 
     blocks = launch_config('state_bwd', K, V)
     dh = torch.empty_like(h)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunk_state_bwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
-        q, k, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, scale, T, layout.NT,
+        qt, kbar, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
         **blocks, **common)
+    # Read by no later kernel: freed before the per-token gradients are allocated (the peak).
+    del kbar, qt
 
     dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
