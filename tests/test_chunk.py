@@ -415,8 +415,8 @@ def test_diagonal_block_paths(drop):
 @pytest.mark.parametrize('rule', ['halved_state_slice', 'K256'])
 def test_launch_rules(monkeypatch, rule):
     """The launcher's shape rules, which the interpreter's defaults never reach: halving the state
-    carry's value slice when there are fewer programs than SMs (forced by claiming a huge GPU),
-    and K = 256 (one pipeline stage, 32-wide state slices)."""
+    sweeps' value slices (forward carry and gradient sweep) when there are fewer programs than SMs
+    (forced by claiming a huge GPU), and K = 256 (one pipeline stage, 32-wide state slices)."""
     if rule == 'halved_state_slice':
         monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
         check_case(1, 40, 1, 2, 32, 48, chunk_size=32)

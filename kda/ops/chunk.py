@@ -68,7 +68,9 @@ TUNING = {
     'solve': dict(BK=64, BV=64, num_warps=4, num_stages=2),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
     'output': dict(BK=64, BV=128, num_warps=8, num_stages=3),
-    'state_bwd': dict(BV=64, num_warps=8, num_stages=2),
+    # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
+    # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
+    'state_bwd': dict(BV=64, num_warps=4, num_stages=2),
     # 4 warps spill 724 B a thread here (8 warps: 152 B; triton 3.6, ptxas -v) yet ran 2.27 ms
     # against 3.49 ms at 8 warps (H200 sweep at 15d04d2, (8, 4096, 16)).
     'intra_bwd': dict(BK=32, BV=32, num_warps=4, num_stages=1),
@@ -77,6 +79,14 @@ TUNING = {
     'pair_bwd': dict(BK=64, num_warps=4, num_stages=2),
     'gate_bwd': dict(BK=32, num_warps=4),
 }
+
+
+# The state sweeps run one program per (sequence, value head, value slice) through every chunk of
+# the sequence. Where that is fewer programs than SMs, the slice is halved for twice as many and
+# these settings apply on top (H200 sweeps at 2054ac8, (1, 32768, 32), the only such shape
+# benchmarked: carry 1.16 ms 32-wide against 1.21 ms 64-wide; gradient sweep 1.92 ms 32-wide
+# with 8 warps against 2.13 ms 64-wide with 8 warps and 2.44 ms with 4).
+FEW_PROGRAMS = {'state_fwd': {}, 'state_bwd': dict(num_warps=8)}
 
 
 @functools.cache
@@ -102,6 +112,16 @@ def launch_config(stage: str, K: int, V: int) -> dict:
         if cfg['BK'] > 128:
             # Half the value slice keeps the [256, BV] float32 state within the registers.
             cfg['num_stages'], cfg['BV'] = 1, min(cfg['BV'], 32)
+    return cfg
+
+
+def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device) -> dict:
+    """``launch_config`` of a state sweep over ``sequence_heads`` (sequence, value head) pairs,
+    with FEW_PROGRAMS applied when they would leave SMs idle."""
+    cfg = launch_config(stage, K, V)
+    if sequence_heads * cdiv(V, cfg['BV']) < sm_count(device):
+        cfg['BV'] = max(16, cfg['BV'] // 2)
+        cfg.update(FEW_PROGRAMS[stage])
     return cfg
 
 
@@ -151,13 +171,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     chunk_solve_kernel[(layout.total, HV)](
         k, v, beta, gc, Akk, Minv, w, u, BC=BC, **common, **chunks, **launch_config('solve', K, V))
 
-    blocks = launch_config('state_fwd', K, V)
-    if N * HV * cdiv(V, blocks['BV']) < sm_count(dev):
-        # Too few programs to fill the GPU: halve the slice for twice as many (H200 sweep at
-        # (1, 32768, 32): 32-wide 2.94 ms, 64-wide 3.20 ms; at (8, 4096, 16) 1.25 vs 0.70 ms).
-        # Not for the state-gradient sweep, whose 64-wide 8-warp slices were faster at both
-        # shapes (3.39 vs 4.23 ms at (1, 32768, 32)).
-        blocks['BV'] = max(16, blocks['BV'] // 2)
+    blocks = state_launch_config('state_fwd', K, V, N * HV, dev)
     h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     final_state = None
@@ -198,7 +212,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt = saved
     saved = None
 
-    blocks = launch_config('state_bwd', K, V)
+    blocks = state_launch_config('state_bwd', K, V, N * HV, dev)
     dh = torch.empty_like(h)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
