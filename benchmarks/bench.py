@@ -74,7 +74,6 @@ CHUNK_SHAPES = [(8, 4096, 16), (1, 32768, 32), (1, 8192, 96), (4, 8192, 32)]
 # 8 sequences of mixed lengths, most not multiples of the chunk size, 32768 tokens in all.
 VARLEN_LENGTHS = [1000, 7193, 2048, 5111, 3100, 6144, 4085, 4087]
 VARLEN_H = 32
-FWDBWD_SHAPES = [(8, 4096, 16), (1, 32768, 32), (4, 8192, 32)]
 DECODE_BATCHES = [1, 16, 64, 256, 1024]
 DECODE_H = 32
 PLOT_TOKENS = 32768
@@ -310,13 +309,11 @@ def _chunk_case(B, T, H, lengths, impls, bench, backward, gate=False):
 
 
 def _chunk_table(impls, bench, quick, backward, gate=False, fla_backward=True):
-    shapes = FWDBWD_SHAPES if backward else CHUNK_SHAPES
     if backward and not fla_backward:
         impls = dict(impls, FLA=None)
-    cases = [(f"({B}, {T}, {H})", B, T, H, None) for B, T, H in shapes]
-    if not backward:
-        cases.append((f"varlen {len(VARLEN_LENGTHS)} seqs, {sum(VARLEN_LENGTHS)} tok, H={VARLEN_H}",
-                      1, sum(VARLEN_LENGTHS), VARLEN_H, VARLEN_LENGTHS))
+    cases = [(f"({B}, {T}, {H})", B, T, H, None) for B, T, H in CHUNK_SHAPES]
+    cases.append((f"varlen {len(VARLEN_LENGTHS)} seqs, {sum(VARLEN_LENGTHS)} tok, H={VARLEN_H}",
+                  1, sum(VARLEN_LENGTHS), VARLEN_H, VARLEN_LENGTHS))
     if quick:
         cases = cases[:1] + cases[-1:] if not backward else cases[:1]
     rows = []

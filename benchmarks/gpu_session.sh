@@ -11,6 +11,10 @@
 # the GPUs, so FLA's autotuner times its candidates on a busy GPU (its picks may differ from an
 # idle one's).
 # Phase 3: bench.py, each GPU timing its own parts on an otherwise idle GPU.
+# FLA's backward tuning is slower: at d2504fa eight backward warm-ups side by side had not finished
+# after 170 s, and bench.py's forward + backward part then ran out of its 160 s; a second call on
+# the same machine (FLA's picks on disk) timed it in 32 s. Give the backward warm-ups ~300 s, or a
+# call of their own.
 # Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; TEST_SECONDS=0 skips
 # the tests), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),
 # BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs). At most 8 files come back from a device
@@ -53,7 +57,7 @@ if [ "$FLA" = 1 ]; then
     done
     if [ "${WARM_BACKWARD:-1}" = 1 ]; then
         for kind in fwdbwd gate_fwdbwd; do
-            for shape in 8,4096,16 1,32768,32; do
+            for shape in 8,4096,16 1,32768,32 1,8192,96 varlen; do
                 CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${WARM_SECONDS:-300}" \
                     python3 benchmarks/warm_fla.py "$kind:$shape" > "$OUT/warm.$i.log" 2>&1 &
                 pids+=($!); i=$((i + 1))

@@ -46,10 +46,12 @@ chunks = dict(ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices'))
 # name: (kernel, pointer dtypes, constexprs, other argument kinds, [(num_warps, num_stages, maxnreg)])
 KERNELS = {
     'cumsum': (chunk_cumsum_kernel, dict(q=bf, k=bf, qt=bf, kbar=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='none', IS_VARLEN=False),
-               dict(floats=('scale', 'lower_bound'), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'a', 'bias')),
+               dict(floats=('scale', 'lower_bound'), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'A_log', 'dt_bias')),
                [(4, 2, None)]),
     'cumsum_gate': (chunk_cumsum_kernel, dict(g=bf, q=bf, k=bf, qt=bf, kbar=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='sigmoid', IS_VARLEN=False),
                     dict(floats=('scale', 'lower_bound'), **chunks), [(4, 2, None)]),
+    'cumsum_gate_no_A_log': (chunk_cumsum_kernel, dict(g=bf, q=bf, k=bf, qt=bf, kbar=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='softplus', IS_VARLEN=False),
+                             dict(floats=('scale', 'lower_bound'), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'A_log')), [(4, 2, None)]),
     'pair_fwd': (chunk_pair_fwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=32, FACTORED_DIAG=True, **{k: v for k, v in common.items() if k != 'V'}),
                  dict(floats=('scale',), **chunks), [(2, 2, None), (4, 2, None)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(q='*fp16', k='*fp16'), dict(BC=16, BK=32, FACTORED_DIAG=False, **{k: v for k, v in common.items() if k not in ('V', 'DOT_DTYPE')}, DOT_DTYPE=tl.float16),
@@ -61,7 +63,7 @@ KERNELS = {
     'pair_bwd': (chunk_pair_bwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=64, **{k: v for k, v in common.items() if k != 'V'}),
                  chunks, [(4, 1, None), (4, 2, None), (2, 1, None)]),
     'gate_bwd': (chunk_gate_bwd_kernel, {}, dict(HV=16, K=128, BT=64, BK=32, GATE='none', IS_VARLEN=False),
-                 dict(floats=('lower_bound',), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'a', 'bias', 'da', 'dbias')),
+                 dict(floats=('lower_bound',), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'A_log', 'dt_bias', 'da', 'dbias')),
                  [(4, 2, None)]),
     'gate_bwd_gate': (chunk_gate_bwd_kernel, dict(g=bf), dict(HV=16, K=128, BT=64, BK=32, GATE='sigmoid', IS_VARLEN=False),
                       dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),

@@ -1,7 +1,7 @@
 """Runs FLA's autotuner ahead of ``bench.py``, so that the timing process finds FLA's picks cached.
 
     python benchmarks/warm_fla.py CASE [CASE ...]       CASE: {fwd,gate_fwd,fwdbwd,gate_fwdbwd}:B,T,H
-                                                        or {fwd,gate_fwd}:varlen
+                                                        or {fwd,gate_fwd,fwdbwd,gate_fwdbwd}:varlen
 
 FLA 0.6.0 autotunes its kernels on first use for each new tuning key (head count, varlen, gate
 options) and caches the winners on disk (``FLA_CACHE_RESULTS=1``, its default, through Triton's

@@ -509,4 +509,13 @@ def test_backward_raises_instead_of_dropping_gradients():
     with torch.no_grad():
         o2, _ = fused_recurrent_kda(**x)
     assert torch.equal(o.detach(), o2), "the forward must not change under autograd"
+    # The gate is activated inside the kernel: a gradient wanted for A_log or dt_bias alone must
+    # raise as well.
+    x = {n: t.detach() for n, t in x.items()}
+    for name in ('A_log', 'dt_bias'):
+        params = dict(A_log=torch.zeros(1, device=dev), dt_bias=torch.zeros(16, device=dev))
+        params[name].requires_grad_()
+        o, _ = fused_recurrent_kda(**x, **params, use_gate_in_kernel=True)
+        with pytest.raises(RuntimeError, match='no backward'):
+            o.sum().backward()
 

@@ -156,7 +156,7 @@ def unit_lower_inverse(b_A, BT: tl.constexpr):
 
 @triton.jit
 def chunk_cumsum_kernel(
-    g, a, bias, q, k, gc, qt, kbar,
+    g, A_log, dt_bias, q, k, gc, qt, kbar,
     cu_seqlens, chunk_indices,
     scale, lower_bound, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -166,11 +166,10 @@ def chunk_cumsum_kernel(
     chunk's end, ``kbar = k exp(c_last - c)``, and the decayed queries ``qt = scale q exp(c)``, which
     the state carry, its gradient sweep and the output stage read: formed here, they leave those
     one input-dtype tile per chunk to load instead of q or k, the float32 c and their exps
-    (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar). With
-    ``GATE`` (see ``kernels/gate.py``) ``g`` is the raw gate, activated here (``a``:
-    ``exp(A_log)`` per head, ``bias``: ``dt_bias``). A positive log-decay breaks the contract
-    (g <= 0) that the safe factorizations rely on: its key channel becomes NaN for the whole
-    chunk, so this chunk's outputs and everything after are NaN rather than silently wrong."""
+    (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar). With ``GATE`` (see
+    ``kernels/gate.py``) ``g`` is the raw gate, activated here. A positive log-decay breaks the
+    contract (g <= 0) that the safe factorizations rely on: its key channel becomes NaN for the
+    whole chunk, so this chunk's outputs and everything after are NaN rather than silently wrong."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK
@@ -178,7 +177,7 @@ def chunk_cumsum_kernel(
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
     b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
     if GATE != 'none':
-        b_a, b_bias = gate_params(a, bias, i_hv, i_k * BK, K, BK)
+        b_a, b_bias = gate_params(A_log, dt_bias, i_hv, i_k * BK, K, BK)
         b_g = gate_fwd(b_g + b_bias[None, :], b_a, lower_bound, GATE)
     b_g = clamp_log_decay(b_g)
     b_c = tl.cumsum(b_g, axis=0)

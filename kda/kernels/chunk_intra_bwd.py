@@ -254,7 +254,7 @@ def chunk_pair_bwd_kernel(
 
 @triton.jit
 def chunk_gate_bwd_kernel(
-    g, a, bias, dg, da, dbias,
+    g, A_log, dt_bias, dg, da, dbias,
     cu_seqlens, chunk_indices,
     lower_bound, T, NT,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -275,7 +275,7 @@ def chunk_gate_bwd_kernel(
     # Rows past L hold dc = 0, so their dg is 0 too.
     b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
     if GATE != 'none':
-        b_a, b_bias = gate_params(a, bias, i_hv, i_k * BK, K, BK)
+        b_a, b_bias = gate_params(A_log, dt_bias, i_hv, i_k * BK, K, BK)
         b_x = b_g + b_bias[None, :]
         b_dg = tl.where(gate_fwd(b_x, b_a, lower_bound, GATE) < LOG_DECAY_FLOOR, 0., b_dg)
         b_dx, b_dA = gate_bwd(b_x, b_a, lower_bound, GATE)

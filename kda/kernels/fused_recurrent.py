@@ -8,10 +8,13 @@ tokens in order::
     o_t = S^T (scale * q_t)
 
 The state never leaves registers between tokens; it is read once at the start and written once at
-the end, so a decode step (T = 1) moves the state's bytes twice and little else.
+the end, so a decode step (T = 1) moves the state's bytes twice and little else. With ``GATE`` /
+``BETA`` (``kernels/gate.py``) ``g`` and ``beta`` are the raw gate and beta logits, activated here.
 """
 import triton
 import triton.language as tl
+
+from kda.kernels.gate import beta_fwd, gate_fwd, gate_params
 
 
 @triton.jit
@@ -25,7 +28,8 @@ def fused_recurrent_kda_kernel(
     q, k, v, g, beta, o,
     h0, ht,                      # state in and state out (may alias for an in-place update)
     cu_seqlens, state_indices,   # optional: varlen offsets [N + 1], state slots [N]
-    scale,
+    A_log, dt_bias,              # optional: the in-kernel gate's parameters
+    scale, lower_bound,
     T,
     num_slots,                   # rows of the state pool h0/ht
     stride_sk, stride_sv,        # element strides of the state between key rows / value columns
@@ -36,6 +40,8 @@ def fused_recurrent_kda_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
+    GATE: tl.constexpr,
+    BETA: tl.constexpr,
 ):
     # One grid axis (2^31 - 1 programs; axes 1 and 2 stop at 65535), the value blocks of a state
     # innermost: programs that run together then cover whole rows of the same state.
@@ -67,6 +73,8 @@ def fused_recurrent_kda_kernel(
     o_h = o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
     state_base = (i_s * HV + i_hv) * K * V
 
+    if GATE != 'none':
+        b_a, b_bias = gate_params(A_log, dt_bias, i_hv, 0, K, BK)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + state_base + o_h, mask=m_s, other=0.).to(tl.float32)
@@ -82,7 +90,9 @@ def fused_recurrent_kda_kernel(
         b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
         b_g = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)
         b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
-        b_beta = tl.load(p_beta).to(tl.float32)
+        b_beta = beta_fwd(tl.load(p_beta).to(tl.float32), BETA)
+        if GATE != 'none':
+            b_g = gate_fwd(b_g + b_bias, b_a, lower_bound, GATE)
         if USE_L2NORM:
             b_q = l2_normalize(b_q)
             b_k = l2_normalize(b_k)

@@ -1,5 +1,6 @@
-"""The in-kernel gate of API.md (``use_gate_in_kernel``), applied to tiles of the raw gate inside the
-chunk kernels that read ``g``, so that the activated log-decay never crosses HBM.
+"""The in-kernel gate and beta activations of API.md (``use_gate_in_kernel``,
+``use_beta_sigmoid_in_kernel``), applied inside the kernels that read ``g`` and ``beta``, so that
+the activated values never cross HBM (and a decode step launches one kernel, allocating nothing).
 
 With ``x = g_raw + dt_bias`` and ``a = exp(A_log)`` (``a = 1`` without ``A_log``)::
 
@@ -7,7 +8,9 @@ With ``x = g_raw + dt_bias`` and ``a = exp(A_log)`` (``a = 1`` without ``A_log``
     GATE = 'sigmoid':   g = lb sigmoid(a x)           dg/dx = a lb s (1 - s)       dg/dA_log = lb s (1 - s) a x
 
 (``lb`` = ``lower_bound``, ``s = sigmoid(a x)``; ``dg/dA_log = a dg/da``.) ``GATE = 'none'``: ``g``
-is the log-decay itself. Computed in float32 whatever the dtype of ``g_raw``.
+is the log-decay itself. Computed in float32 whatever the dtype of ``g_raw``. Beta:
+``BETA = 'sigmoid'`` gives ``sigmoid(b)``, ``'sigmoid2'`` ``2 sigmoid(b)`` (``allow_neg_eigval``),
+``'none'`` ``b``.
 """
 import triton
 import triton.language as tl
@@ -26,11 +29,18 @@ def softplus(x):
 
 
 @triton.jit
-def gate_params(a, bias, i_hv, col0, K: tl.constexpr, BK: tl.constexpr):
-    """``a`` of head ``i_hv`` (a scalar) and its ``dt_bias`` over key columns ``col0 .. col0+BK``."""
+def gate_params(A_log, dt_bias, i_hv, col0, K: tl.constexpr, BK: tl.constexpr):
+    """``a = exp(A_log)`` of head ``i_hv`` (1 without A_log) and its ``dt_bias`` over key columns
+    ``col0 .. col0+BK`` (0 without). Either pointer may be None."""
     o_k = col0 + tl.arange(0, BK)
-    b_a = tl.load(a + i_hv).to(tl.float32)
-    b_bias = tl.load(bias + i_hv * K + o_k, mask=o_k < K, other=0.).to(tl.float32)
+    if A_log is not None:
+        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        b_a = 1.0
+    if dt_bias is not None:
+        b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.).to(tl.float32)
+    else:
+        b_bias = tl.zeros([BK], dtype=tl.float32)
     return b_a, b_bias
 
 
@@ -53,3 +63,14 @@ def gate_bwd(b_x, b_a, lower_bound, GATE: tl.constexpr):
         b_s = tl.sigmoid(b_z)
         b_d = lower_bound * b_s * (1. - b_s)
         return b_a * b_d, b_d * b_z
+
+
+@triton.jit
+def beta_fwd(b_beta, BETA: tl.constexpr):
+    """beta from its logits (``BETA``, see above)."""
+    if BETA == 'sigmoid':
+        return tl.sigmoid(b_beta)
+    elif BETA == 'sigmoid2':
+        return 2. * tl.sigmoid(b_beta)
+    else:
+        return b_beta

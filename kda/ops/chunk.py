@@ -125,12 +125,12 @@ def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device)
     return cfg
 
 
-def gate_launch_args(gate: KernelGate | None, HV: int, K: int, device) -> dict:
+def gate_launch_args(gate: KernelGate | None) -> dict:
     """The gate arguments of the kernels that read ``g`` (``kernels/gate.py``)."""
     if gate is None:
-        return dict(a=None, bias=None, lower_bound=0.0, GATE='none')
-    a, bias = gate.operands(HV, K, device)
-    return dict(a=a, bias=bias, lower_bound=gate.lower_bound, GATE=gate.kind)
+        return dict(A_log=None, dt_bias=None, lower_bound=0.0, GATE='none')
+    A_log, dt_bias = (None if t is None else t.detach().contiguous() for t in (gate.A_log, gate.dt_bias))
+    return dict(A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, GATE=gate.kind)
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
@@ -162,7 +162,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     qt = torch.empty(B, T, HV, K, dtype=dt, device=dev)
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=gc, qt=qt, kbar=kbar, scale=scale, H=H, HV=HV, K=K, BT=BT,
-        IS_VARLEN=common['IS_VARLEN'], **gate_launch_args(gate, HV, K, dev), **chunks, **cfg)
+        IS_VARLEN=common['IS_VARLEN'], **gate_launch_args(gate), **chunks, **cfg)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'],
         # float16's range ends at 65504: no factor >= 1 on its operands.
@@ -250,7 +250,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     chunk_gate_bwd_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T,
         NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
-        **gate_launch_args(gate, HV, K, dev), **cfg)
+        **gate_launch_args(gate), **cfg)
     dA_log = da.sum((0, 2)) if gate is not None and gate.A_log is not None else None
     ddt_bias = dbias.sum(0).view(HV * K) if gate is not None and gate.dt_bias is not None else None
     if HV != H:

@@ -130,11 +130,11 @@ def fused_recurrent_kda(
                          safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     _validate_serving(problem, q, initial_state, output_final_state, state_v_first,
                       inplace_final_state, ssm_state_indices, out)
-    if use_gate_in_kernel:
-        g = activate_gate(g, A_log, dt_bias, lower_bound)
-    if use_beta_sigmoid_in_kernel:
-        beta = activate_beta(beta, allow_neg_eigval)
     if not use_kernels(q):
+        if use_gate_in_kernel:
+            g = activate_gate(g, A_log, dt_bias, lower_bound)
+        if use_beta_sigmoid_in_kernel:
+            beta = activate_beta(beta, allow_neg_eigval)
         return _torch_path(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
                            cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, inplace_final_state,
                            ssm_state_indices, out)
@@ -161,23 +161,30 @@ def fused_recurrent_kda(
     # and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at H = 32).
     BV = min(next_pow2(V), 32)
     grid = (N * HV * cdiv(V, BV),)
+    # The gate's parameters, dense (a no-op for the [HV] / [HV * K] vectors the API takes).
+    gate = dict(A_log=A_log, dt_bias=dt_bias) if use_gate_in_kernel else dict(A_log=None, dt_bias=None)
+    gate = {n: None if t is None else t.detach().contiguous() for n, t in gate.items()}
 
     def launch():
         fused_recurrent_kda_kernel[grid](
             q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices,
-            problem.scale, T, num_slots, stride_sk, stride_sv,
+            *gate.values(), problem.scale, lower_bound or 0.0, T, num_slots, stride_sk, stride_sv,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             USE_L2NORM=use_qk_l2norm_in_kernel,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=ht is not None,
             USE_STATE_INDICES=ssm_state_indices is not None,
+            GATE='none' if not use_gate_in_kernel else 'softplus' if lower_bound is None else 'sigmoid',
+            BETA=('none' if not use_beta_sigmoid_in_kernel else 'sigmoid2' if allow_neg_eigval
+                  else 'sigmoid'),
             num_warps=4,
         )
         return out, (ht if output_final_state else None)
 
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
-        return ForwardOnly.apply(q, k, v, g, beta, launch)
+    inputs = [x for x in (q, k, v, g, beta, A_log, dt_bias) if x is not None]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return ForwardOnly.apply(launch, *inputs)
     return launch()
 
 
@@ -186,7 +193,7 @@ class ForwardOnly(torch.autograd.Function):
     rather than the inputs' gradients silently missing this layer's contribution."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, launch):
+    def forward(ctx, launch, *inputs):
         o, final_state = launch()
         if final_state is not None:
             ctx.mark_non_differentiable(final_state)

@@ -5,9 +5,11 @@
                                                                         the factor exp(A_log) is 1)
     beta = sigmoid(beta_raw)   or   2 * sigmoid(beta_raw)   (allow_neg_eigval)
 
-``chunk_kda`` applies the gate inside its kernels (``kernels/gate.py``; ``KernelGate`` below says
-which); ``fused_recurrent_kda`` and the PyTorch paths use the elementwise ops here, differentiable
-by autograd, computed in float32. beta is always activated here: it is 1/K the size of g.
+Where the kernels run, ``chunk_kda`` activates the gate inside its kernels (``KernelGate`` below
+says which; ``kernels/gate.py``) and beta here (it is 1/K the size of g), and
+``fused_recurrent_kda`` activates both inside its kernel. The PyTorch paths (CPU tensors without
+the interpreter) and the reference use the elementwise ops here, differentiable by autograd,
+computed in float32.
 """
 from __future__ import annotations
 
@@ -31,15 +33,6 @@ class KernelGate:
         if lower_bound is None:
             return KernelGate('softplus', A_log, dt_bias, 0.0)
         return KernelGate('sigmoid', A_log, dt_bias, float(lower_bound))
-
-    def operands(self, HV: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(exp(A_log), dt_bias)`` as the kernels read them: float32 ``[HV]`` and ``[HV * K]``,
-        ones and zeros where the option is absent."""
-        a = (self.A_log.detach().float().exp() if self.A_log is not None
-             else torch.ones(HV, dtype=torch.float32, device=device))
-        bias = (self.dt_bias.detach().float().contiguous() if self.dt_bias is not None
-                else torch.zeros(HV * K, dtype=torch.float32, device=device))
-        return a, bias
 
 
 def activate_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
