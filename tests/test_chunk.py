@@ -253,25 +253,34 @@ def test_forward_K32_V100():
 
 
 @requires_kernels
-@pytest.mark.parametrize('gate', ['A_log+dt_bias', 'A_log_wide', 'lower_bound', 'lower_bound_saturated'])
+@pytest.mark.parametrize('gate', ['A_log+dt_bias', 'A_log_wide', 'lower_bound', 'lower_bound_saturated',
+                                  'lower_bound+A_log_varlen_K60'])
 def test_gate_and_beta_in_kernel(gate):
     """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of API.md written out here
     in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias.
     'A_log_wide': the softplus gate without dt_bias on raw gates within +-40: steps from about
     -1e-17 to below the -104 clamp (a = exp(1.5): down to -179), where the gradient is 0.
     'lower_bound_saturated': lower_bound = -5 with raw gates driving whole 16-row blocks to -5 per
-    step, the widest decay span (75) the factored diagonal blocks of the bounded gate take."""
+    step, the widest decay span (75) the factored diagonal blocks of the bounded gate take.
+    'lower_bound+A_log_varlen_K60': the bounded gate with A_log and dt_bias, on 3 sequences (partial
+    chunks, rows past a sequence's end in a chunk's tiles) and K = 60 (masked key columns)."""
     B, T, H, HV, K, V = 1, 40, 1, 2, 16, 16
     chunk_size, lb = 32, -3.0
+    lengths = None
     if gate == 'lower_bound_saturated':
         T, K, V, chunk_size, lb = 80, 32, 16, 64, -5.0
+    if gate == 'lower_bound+A_log_varlen_K60':
+        lengths, K, V = [5, 40, 19], 60, 24
+        T = sum(lengths)
     x = make_inputs(B, T, H, HV, K, V)
     x['g'] = torch.randn(B, T, HV, K)                     # raw gate
     if gate == 'lower_bound_saturated':
         x['g'][:, 16:48] = 40.                             # sigmoid -> 1: steps of -5
     x['beta'] = 2 * torch.randn(B, T, HV)                  # logits
-    s0 = make_state(B, HV, K, V)
+    s0 = make_state(B if lengths is None else len(lengths), HV, K, V)
     extra = dict(dt_bias=0.5 * torch.randn(HV * K))
+    if gate == 'lower_bound+A_log_varlen_K60':
+        extra['A_log'] = torch.randn(HV)
     if gate == 'A_log_wide':
         x['g'] = 40 * (2 * torch.rand(B, T, HV, K) - 1)
         extra = dict(A_log=torch.tensor([0.5, 1.5]))
@@ -283,8 +292,9 @@ def test_gate_and_beta_in_kernel(gate):
         opts = dict(use_gate_in_kernel=True, lower_bound=lb, use_beta_sigmoid_in_kernel=True,
                     allow_neg_eigval=True)
     leaves = {n: t.clone().to(KDEV).requires_grad_() for n, t in dict(x, **extra).items()}
+    cu = None if lengths is None else lengths_to_cu(lengths)
     o, ht = chunk_kda(**leaves, initial_state=s0.to(KDEV), output_final_state=True,
-                      chunk_size=chunk_size, **opts)
+                      chunk_size=chunk_size, cu_seqlens=None if cu is None else cu.to(KDEV), **opts)
     do, dht = torch.randn(o.shape), torch.randn(ht.shape)
     names = list(leaves)
     gk = torch.autograd.grad((o * do.to(KDEV)).sum() + (ht * dht.to(KDEV)).sum(), [leaves[n] for n in names])
@@ -295,10 +305,12 @@ def test_gate_and_beta_in_kernel(gate):
         g = -L['A_log'].exp()[:, None] * F.softplus(z)
         beta = torch.sigmoid(L['beta'])
     else:
+        if 'A_log' in L:
+            z = L['A_log'].exp()[:, None] * z
         g = lb * torch.sigmoid(z)
         beta = 2 * torch.sigmoid(L['beta'])
     ro, rht = naive_recurrent_kda(L['q'], L['k'], L['v'], g, beta, initial_state=to64(s0),
-                                  output_final_state=True)
+                                  output_final_state=True, cu_seqlens=cu)
     rg = torch.autograd.grad((ro * to64(do)).sum() + (rht * to64(dht)).sum(), [L[n] for n in names])
     errs = errors(o, ht, dict(zip(names, (t.cpu() for t in gk))), ro, rht, dict(zip(names, rg)))
     if gate == 'A_log_wide':

@@ -272,18 +272,20 @@ def chunk_gate_bwd_kernel(
     dg_base = dg + start * HV * K + i_hv * K
     b_dc = load_tile(dg_base, 0, L, HV * K, i_k * BK, K, BT, BK)
     b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
-    # Rows past L hold dc = 0, so their dg is 0 too.
+    # Rows past L hold dc = 0, so their dg is 0 too (up to rounding; not stored).
     b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
     if GATE != 'none':
         b_a, b_bias = gate_params(A_log, dt_bias, i_hv, i_k * BK, K, BK)
         b_x = b_g + b_bias[None, :]
         b_dg = tl.where(gate_fwd(b_x, b_a, lower_bound, GATE) < LOG_DECAY_FLOOR, 0., b_dg)
         b_dx, b_dA = gate_bwd(b_x, b_a, lower_bound, GATE)
-        b_dx *= b_dg
+        # Rows past L: dg is 0 up to the rounding of sum - cumsum; selected out of the sums.
+        m_t = (tl.arange(0, BT) < L)[:, None]
+        b_dx = tl.where(m_t, b_dx * b_dg, 0.)
         o_k = i_k * BK + tl.arange(0, BK)
         p_sum = (i_c.to(tl.int64) * HV + i_hv) * K + o_k
         tl.store(dbias + p_sum, tl.sum(b_dx, axis=0), mask=o_k < K)
-        tl.store(da + p_sum, tl.sum(b_dA * b_dg, axis=0), mask=o_k < K)
+        tl.store(da + p_sum, tl.sum(tl.where(m_t, b_dA * b_dg, 0.), axis=0), mask=o_k < K)
         store_tile(dg_base, b_dx, 0, L, HV * K, i_k * BK, K, BT, BK)
     else:
         store_tile(dg_base, tl.where(b_g < LOG_DECAY_FLOOR, 0., b_dg), 0, L, HV * K, i_k * BK, K, BT, BK)

@@ -292,11 +292,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         if ctx.qk_l2norm:
             qn, kn = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
         gate = None if ctx.gate_kind is None else KernelGate(ctx.gate_kind, A_log, dt_bias, ctx.lower_bound)
+        # Handed over, not kept: chunk_kda_bwd frees what its later stages do not read.
+        saved, ctx.saved_intermediates = ctx.saved_intermediates, None
         dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_kda_bwd(
             qn, kn, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
-            do.contiguous(), None if dht is None else dht.contiguous(), ctx.saved_intermediates,
-            gate)
-        ctx.saved_intermediates = None
+            do.contiguous(), None if dht is None else dht.contiguous(), saved, gate)
         if ctx.qk_l2norm:
             dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
