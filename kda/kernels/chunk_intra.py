@@ -52,11 +52,14 @@ def intra_offdiag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, i
 
 
 # Diagonal blocks factor through their first row r: a key enters as k_jd exp(r_d - c_jd) >= k_jd.
-# Entries whose factor would leave the operand range go to the 4-row scheme instead ("far"):
-# FAR_SPAN caps the exponent below float32's exp overflow (88.7), FAR_KEY the factored key below
-# the bf16/float32 maximum (3.4e38) with room for the dot's sums. The lower-bound gate (steps
-# >= -5, so r - c_j <= 75 in a 16-row block) never reaches them for keys below 2.7e3.
-FAR_SPAN = tl.constexpr(82.0)
+# Entries whose factor would leave the operand range go to the 4-row scheme instead ("far").
+# FAR_SPAN bounds the exponent: it keeps the lower-bound gate's blocks near (steps >= -5, so
+# r - c_j <= 75 in a 16-row block) and, with the row factor exp(c_i - r), which falls below the
+# smallest normal (exp(-87.3)) before anything else does, bounds what a flush of such a row
+# factor to zero could lose: exp(c_i - c_j) < exp(76 - 87.3) = 1.2e-5 (82 would allow 5e-3;
+# review of 92f5174). FAR_KEY keeps the factored key below the bf16/float32 maximum (3.4e38)
+# with room for the dot's sums; it is reached by keys above 1e36 / exp(76) = 1e3.
+FAR_SPAN = tl.constexpr(76.0)
 FAR_KEY = tl.constexpr(1e36)
 
 
