@@ -338,13 +338,20 @@ def _chunk_table(impls, bench, quick, backward, gate=False, fla_backward=True):
     return _table(headers, rows)
 
 
-def _decode_inputs(B, device='cuda', seed=0):
+def _decode_inputs(B, device='cuda', seed=0, gate=False):
+    """One decode step's inputs; ``gate``: the Kimi Linear configuration (raw bf16 gate, A_log,
+    dt_bias, lower bound -5, beta logits), whose options come back in the inputs."""
     gen = torch.Generator(device=device).manual_seed(seed)
     H, K, V = DECODE_H, HEAD_DIM, HEAD_DIM
     rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     bf = torch.bfloat16
     inp = dict(q=rnd(B, 1, H, K).to(bf), k=rnd(B, 1, H, K).to(bf), v=rnd(B, 1, H, V).to(bf),
                g=(F.logsigmoid(rnd(B, 1, H, K) + 3.0) * 2.0), beta=torch.sigmoid(rnd(B, 1, H)).to(bf))
+    if gate:
+        inp.update(g=rnd(B, 1, H, K).to(bf), beta=rnd(B, 1, H).to(bf),
+                   A_log=torch.log(torch.rand(H, generator=gen, device=device) * 15 + 1),
+                   dt_bias=rnd(H * K) * 0.1, use_gate_in_kernel=True, lower_bound=-5.0,
+                   use_beta_sigmoid_in_kernel=True)
     state = rnd(B, H, K, V) * 0.1
     return inp, state
 
@@ -378,9 +385,11 @@ def _decode_table(ours_fn, fla_mod, bench, quick):
         rows.append([label, _fmt(o, '.1f'), _fmt(f, '.1f'), _fmt(f / o, '.2f') if both else '-',
                      _fmt(floor_us, '.2f'), tbs(o, state_bytes), tbs(f, state_bytes)])
 
+    # (label, B, Kimi gate): the plain batches, then the Kimi configuration at two of them.
+    cases = [(str(B), B, False) for B in batches] + [(f"{B}, Kimi gate", B, True) for B in (1, 64)]
     with torch.inference_mode():
-        for B in batches:
-            inp, state = _decode_inputs(B)
+        for label, B, gate in cases:
+            inp, state = _decode_inputs(B, gate=gate)
             times = {}
             for name, fn in impls.items():
                 if fn is None:
@@ -391,7 +400,7 @@ def _decode_table(ours_fn, fla_mod, bench, quick):
                                                          use_qk_l2norm_in_kernel=True)) * 1e3
                 except Exception as e:  # noqa: BLE001
                     times[name] = _err(e)
-            row(str(B), B, times)
+            row(label, B, times)
             inp = state = None
             _free()
 

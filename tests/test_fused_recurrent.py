@@ -446,20 +446,47 @@ def test_cuda_bf16_real_sizes(B, T, no_tf32):
     _bf16_bound_check('final state', ht, ex_ht, r_ht, factor=4.0, floor=1e-6)
 
 
+def _kimi_decode_inputs(B, H, HV, K, V, dev):
+    """Raw bf16 gate and beta logits, and the Kimi Linear gate options."""
+    x = make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, device=dev)
+    x['g'] = torch.randn(B, 1, HV, K, device=dev).to(torch.bfloat16)
+    x['beta'] = (2 * torch.randn(B, 1, HV, device=dev)).to(torch.bfloat16)
+    opts = dict(A_log=torch.log(1 + 15 * torch.rand(HV, device=dev)),
+                dt_bias=0.1 * torch.randn(HV * K, device=dev), use_gate_in_kernel=True,
+                lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    return x, opts
+
+
+def _kimi_activations(x, opts):
+    """The reference's inputs for ``_kimi_decode_inputs``: activated gate and beta (float32)."""
+    HV, K = x['g'].shape[-2:]
+    z = opts['A_log'].exp()[:, None] * (x['g'].float() + opts['dt_bias'].view(HV, K))
+    return dict(x, g=opts['lower_bound'] * torch.sigmoid(z), beta=torch.sigmoid(x['beta'].float()))
+
+
 @requires_cuda
 @pytest.mark.gpu
-def test_cuda_graph_decode_step(no_tf32):
+@pytest.mark.parametrize('gate', [False, True], ids=['plain', 'kimi_gate'])
+def test_cuda_graph_decode_step(no_tf32, gate):
     """A decode step with a state pool, out= and in-place states, captured in a CUDA graph and
-    replayed after changing the inputs in place, equals the eager computation."""
+    replayed after changing the inputs in place, equals the eager computation. 'kimi_gate': raw
+    gate and beta logits activated inside the kernel (one launch, nothing allocated)."""
     B, H, HV, K, V, P = 4, 4, 8, 128, 128, 10
     dev = 'cuda'
-    x = make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, gate_dtype=torch.float32, device=dev)
+
+    def inputs():
+        if gate:
+            return _kimi_decode_inputs(B, H, HV, K, V, dev)
+        return make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, gate_dtype=torch.float32, device=dev), {}
+
+    x, opts = inputs()
     pool = make_state(P, HV, K, V, device=dev)
     idx = torch.tensor([7, 2, 9, 0], device=dev)
     out = torch.empty(B, 1, HV, V, dtype=torch.bfloat16, device=dev)
 
     def step():
-        fused_recurrent_kda(**x, initial_state=pool, inplace_final_state=True, ssm_state_indices=idx, out=out)
+        fused_recurrent_kda(**x, **opts, initial_state=pool, inplace_final_state=True,
+                            ssm_state_indices=idx, out=out)
 
     side = torch.cuda.Stream()                       # warm up (compile) outside the capture
     side.wait_stream(torch.cuda.current_stream())
@@ -471,7 +498,7 @@ def test_cuda_graph_decode_step(no_tf32):
         step()
 
     for trial in range(3):
-        new = make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, gate_dtype=torch.float32, device=dev)
+        new, _ = inputs()
         for name in x:
             x[name].copy_(new[name])
         pool.copy_(make_state(P, HV, K, V, device=dev))
@@ -482,15 +509,17 @@ def test_cuda_graph_decode_step(no_tf32):
         torch.cuda.synchronize()
 
         eager_pool = pool_before.clone()
-        o_e, _ = fused_recurrent_kda(**{n: t.clone() for n, t in x.items()}, initial_state=eager_pool,
-                                     inplace_final_state=True, ssm_state_indices=idx.clone())
+        o_e, _ = fused_recurrent_kda(**{n: t.clone() for n, t in x.items()}, **opts,
+                                     initial_state=eager_pool, inplace_final_state=True,
+                                     ssm_state_indices=idx.clone())
         torch.cuda.synchronize()
         assert not torch.isnan(out).any(), f"trial {trial}: replay left NaN in out"
         assert torch.equal(out, o_e), f"trial {trial}: replayed output differs from eager ({rel_err(out, o_e):.3e})"
         assert torch.equal(pool, eager_pool), f"trial {trial}: replayed state pool differs from eager"
         # and the eager step is right
-        ex_o, _ = reference64(**x, initial_state=pool_before[idx])
-        r_o, _ = naive_recurrent_kda(**x, initial_state=pool_before[idx])
+        xr = _kimi_activations(x, opts) if gate else x
+        ex_o, _ = reference64(**xr, initial_state=pool_before[idx])
+        r_o, _ = naive_recurrent_kda(**xr, initial_state=pool_before[idx])
         _bf16_bound_check(f'trial {trial} output', o_e, ex_o, r_o)
         unused = [s for s in range(P) if s not in idx.tolist()]
         assert torch.equal(pool[unused], pool_before[unused]), f"trial {trial}: unused slots modified"
