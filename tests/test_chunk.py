@@ -401,8 +401,8 @@ def test_strong_decay(chunk_size, pattern, lengths):
 def test_diagonal_block_paths(drop):
     """The backward's diagonal sub-blocks factor through their middle row r (row 7 of 16; float32
     matrix products) when every row's cumulative decay is within DIAG_SPAN = 60 of r's, else use the
-    element-wise path. Mild steps of -0.1 with one drop right after r in every block put the
-    block's last row |drop| + 0.7 from r: 58.7 (factored) or 61.7 (element-wise); 'mixed' drops -61
+    4-row group path. Mild steps of -0.1 with one drop right after r in every block put the
+    block's last row |drop| + 0.7 from r: 58.7 (factored) or 61.7 (4-row groups); 'mixed' drops -61
     on half the key channels, so one block takes both paths in different key slices;
     'large_values': the factored case with values of 1e16, whose pair-matrix gradients times
     exp(58.7) overflowed float32 before they were scaled. Bound as in test_strong_decay (the

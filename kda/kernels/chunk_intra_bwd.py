@@ -25,8 +25,66 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, diag_factors, diag_reference,
-                                      exp_nonpos, load_row, load_tile, mm, scale_rows, store_tile)
+                                      exp_nonpos, load_row, load_rows, load_tile, mm, scale_rows,
+                                      store_tile)
 from kda.kernels.gate import gate_bwd, gate_fwd, gate_params
+
+
+@triton.jit
+def group_row_grads(b_p1, b_p2, b_k, b_c, k_base, gc_base, X, i_k, L, QK_STRIDE, GC_STRIDE,
+                    K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Diagonal block X of ``pair_row_grads`` for any decay: its rows cut into groups of G = 4;
+    entries between groups b < a factor through the last row of group b (both factors <= 1),
+    one float32 product per group and matrix; the 4 x 4 diagonal groups element by element, one
+    gathered row of k (and one entry of dP per row) at a time. ``b_p*``: dP[X, X] (zero above
+    the diagonal); ``b_k``, ``b_c``: the block's keys and cumulative decays."""
+    G: tl.constexpr = 4
+    o_i = tl.arange(0, BC)
+    o_g = o_i // G
+    b_d1 = tl.zeros([BC, BK], dtype=tl.float32)
+    b_d2 = tl.zeros([BC, BK], dtype=tl.float32)
+    for b in range(BC // G - 1):
+        b_r = load_row(gc_base, X * BC + b * G + G - 1, L, GC_STRIDE, i_k * BK, K, BK)
+        b_up = tl.where((o_g > b)[:, None], exp_nonpos(b_c - b_r[None, :]), 0.)
+        b_kd = tl.where((o_g == b)[:, None], b_k * exp_nonpos(b_r[None, :] - b_c), 0.)
+        b_d1 += mm(b_p1, b_kd, tl.float32) * b_up
+        b_d2 += mm(b_p2, b_kd, tl.float32) * b_up
+    for t in range(G):
+        o_j = o_g * G + t
+        b_kj = load_rows(k_base, X * BC + o_j, L, QK_STRIDE, i_k * BK, K, BK)
+        b_cj = load_rows(gc_base, X * BC + o_j, L, GC_STRIDE, i_k * BK, K, BK)
+        b_kj *= exp_nonpos(b_c - b_cj)
+        m_j = o_i[None, :] == o_j[:, None]
+        b_d1 += tl.sum(tl.where(m_j, b_p1, 0.), axis=1)[:, None] * b_kj
+        b_d2 += tl.sum(tl.where(m_j, b_p2, 0.), axis=1)[:, None] * b_kj
+    return b_d1, b_d2
+
+
+@triton.jit
+def group_col_grads(b_pt1, b_pt2, b_q, b_k, b_c, q_base, k_base, gc_base, X, i_k, L, QK_STRIDE,
+                    GC_STRIDE, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Diagonal block X of ``pair_col_grads`` for any decay, by the groups of
+    ``group_row_grads`` seen from the column side: row j of the result sums over the rows
+    i >= j; ``b_pt*`` = dP[X, X]^T (row j, column i)."""
+    G: tl.constexpr = 4
+    o_i = tl.arange(0, BC)
+    o_g = o_i // G
+    b_d = tl.zeros([BC, BK], dtype=tl.float32)
+    for b in range(BC // G - 1):
+        b_r = load_row(gc_base, X * BC + b * G + G - 1, L, GC_STRIDE, i_k * BK, K, BK)
+        b_dn = tl.where((o_g == b)[:, None], exp_nonpos(b_r[None, :] - b_c), 0.)
+        b_ea = tl.where((o_g > b)[:, None], exp_nonpos(b_c - b_r[None, :]), 0.)
+        b_d += (mm(b_pt1, b_q * b_ea, tl.float32) + mm(b_pt2, b_k * b_ea, tl.float32)) * b_dn
+    for t in range(G):
+        o_s = o_g * G + t
+        b_qs = load_rows(q_base, X * BC + o_s, L, QK_STRIDE, i_k * BK, K, BK)
+        b_ks = load_rows(k_base, X * BC + o_s, L, QK_STRIDE, i_k * BK, K, BK)
+        b_cs = load_rows(gc_base, X * BC + o_s, L, GC_STRIDE, i_k * BK, K, BK)
+        b_e = exp_nonpos(b_cs - b_c)
+        m_s = o_i[None, :] == o_s[:, None]
+        b_d += (tl.sum(tl.where(m_s, b_pt1, 0.), axis=1)[:, None] * b_qs
+                + tl.sum(tl.where(m_s, b_pt2, 0.), axis=1)[:, None] * b_ks) * b_e
+    return b_d
 
 
 @triton.jit
@@ -48,8 +106,9 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_d1 += mm(b_p1, b_kJ, DOT_DTYPE) * b_eX
         b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
     # Diagonal block (dP is zero above the diagonal): through the middle row r as float32 matrix
-    # products where the decay allows (chunk_common.diag_reference says why float32), else
-    # exp(c_i - c_j) element by element as a [BC, BC, BK] block. Factored, a factor reaches
+    # products where the decay allows (chunk_common.diag_reference says why float32), else by
+    # 4-row groups (group_row_grads; the [BC, BC, BK] element-wise block it replaced held 255
+    # registers and 420 B of spills a thread in every program). Factored, a factor reaches
     # exp(60), so dP enters with its rows scaled to max |.| = 1 and the scale is applied after
     # exp(c_i - r) has brought the product back to its true size: unscaled, gradients above ~3e12
     # overflowed (review: v * 1e16 gave inf dq where the element-wise path was finite).
@@ -65,9 +124,10 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_d1 += (mm(b_p1, b_kd, tl.float32) * b_up) * b_s1[:, None]
         b_d2 += (mm(b_p2, b_kd, tl.float32) * b_up) * b_s2[:, None]
     else:
-        b_ke = b_kX[None, :, :] * exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
-        b_d1 += tl.sum(b_p1[:, :, None] * b_ke, axis=1)
-        b_d2 += tl.sum(b_p2[:, :, None] * b_ke, axis=1)
+        b_g1, b_g2 = group_row_grads(b_p1, b_p2, b_kX, b_cX, k_base, gc_base, X, i_k, L, QK_STRIDE,
+                                     GC_STRIDE, K, BC, BK)
+        b_d1 += b_g1
+        b_d2 += b_g2
     return b_d1, b_d2
 
 
@@ -102,9 +162,8 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
         b_d += ((mm(b_p1, b_q * b_up, tl.float32) * b_dn) * b_s1[:, None]
                 + (mm(b_p2, b_k * b_up, tl.float32) * b_dn) * b_s2[:, None])
     else:
-        b_e = exp_nonpos(b_cX[:, None, :] - b_cX[None, :, :])
-        b_d += tl.sum((b_p1[:, :, None] * b_q[:, None, :] + b_p2[:, :, None] * b_k[:, None, :]) * b_e,
-                      axis=0)
+        b_d += group_col_grads(tl.trans(b_p1), tl.trans(b_p2), b_q, b_k, b_cX, q_base, k_base, gc_base,
+                               X, i_k, L, QK_STRIDE, GC_STRIDE, K, BC, BK)
     return b_d
 
 

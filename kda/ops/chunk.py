@@ -74,8 +74,9 @@ TUNING = {
     # 4 warps spill 724 B a thread here (8 warps: 152 B; triton 3.6, ptxas -v) yet ran 2.27 ms
     # against 3.49 ms at 8 warps (H200 sweep at 15d04d2, (8, 4096, 16)).
     'intra_bwd': dict(BK=32, BV=32, num_warps=4, num_stages=1),
-    # 255 registers and 432 B of spills a thread (triton 3.6), mostly the element-wise fallback that
-    # is compiled in; still the fastest of six (2.36 ms; 32-wide: 3.94 ms; sweep at 87afc0d).
+    # Fastest of six in the sweep at 87afc0d (2.36 ms; 32-wide: 3.94 ms), when the element-wise
+    # diagonal fallback held 255 registers and 432 B of spills a thread. With the 4-row fallback
+    # (triton 3.6, ptxas -v): 255 registers, 8 B of spills; 1 stage: 229 registers, none. Untimed.
     'pair_bwd': dict(BK=64, num_warps=4, num_stages=2),
     'gate_bwd': dict(BK=32, num_warps=4),
 }
