@@ -151,7 +151,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=cu_seqlens is not None)
 
     gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    Aqk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
+    # Aqk is only ever a matrix-product operand (output stage, gradient sweep), rounded to the input
+    # dtype there anyway: kept in it (A' and M, which the solve uses in float32, are not).
+    Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
     Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
     Minv = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
     w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
@@ -199,8 +201,9 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
                   layout: ChunkLayout, do, dht, saved=None, gate: KernelGate | None = None):
     """Gradients of ``chunk_kda_fwd``: recomputes stages 1-2 (unless ``saved`` holds them), sweeps
     the state gradient backwards, then forms every per-token gradient chunk by chunk.
-    Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)`` in float32 (dq, dk summed over GVA
-    groups; ``dg`` of the raw gate with ``gate``; the last two None without the option)."""
+    Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``, in float32 but ``dv`` (v's dtype)
+    (dq, dk summed over GVA groups; ``dg`` of the raw gate with ``gate``; the last two None
+    without the option). At the peak, held in float32 only what later passes still add to."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -215,7 +218,8 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
 
     blocks = state_launch_config('state_bwd', K, V, N * HV, dev)
     dh = torch.empty_like(h)
-    dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    # Read only as a matrix-product operand (rounded to the input dtype there): kept in that dtype.
+    dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunk_state_bwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
         qt, kbar, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, T, layout.NT,
@@ -228,10 +232,10 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dg = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    dv = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)          # final: no later pass adds to it
     dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     # The pair-matrix gradients reuse the forward's Aqk/Akk-sized scratch.
-    dAqk = torch.empty_like(Aqk)
+    dAqk = torch.empty(Aqk.shape, dtype=torch.float32, device=dev)
     dAkk = torch.empty_like(Akk)
     chunk_intra_bwd_kernel[(layout.total, HV)](
         q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
@@ -300,7 +304,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             do.contiguous(), None if dht is None else dht.contiguous(), saved, gate)
         if ctx.qk_l2norm:
             dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype),
                 dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None, None)
 
 
