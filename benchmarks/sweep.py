@@ -49,7 +49,7 @@ CANDIDATES = {
     'solve': [cfg(64, 64, 4, 2), cfg(32, 64, 4, 2), cfg(64, 64, 4, 3)],
     'intra_bwd': [cfg(32, 32, 4, 1)],
     'pair_bwd': [cfg(32, None, 4, 1), cfg(32, None, 4, 2), cfg(16, None, 2, 1), cfg(64, None, 8, 1),
-                 cfg(64, None, 4, 2), cfg(16, None, 4, 1)],
+                 cfg(64, None, 4, 2), cfg(16, None, 4, 1), cfg(64, None, 4, 1)],
     'gate_bwd': [cfg(32, None, 4, 2)],
     'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 3),
                   cfg(None, 64, 4, 3), cfg(None, 16, 4, 2)],
