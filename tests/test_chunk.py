@@ -423,6 +423,22 @@ def test_diagonal_block_paths(drop):
     assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"diagonal blocks, drop = {drop}")
 
 
+@pytest.mark.skipif(not INTERPRET or HAS_CUDA, reason="patches a kernel constant, which only the "
+                    "interpreter reads at run time")
+@pytest.mark.parametrize('shape', ['varlen_BT32', 'T45_BT64'])
+def test_backward_group_path_everywhere(monkeypatch, shape):
+    """The backward's 4-row group scheme for diagonal sub-blocks on every block (DIAG_SPAN patched
+    below any span), including partial blocks at sequence ends, which the natural drops of
+    test_diagonal_block_paths do not reach."""
+    import triton.language as tl
+    import kda.kernels.chunk_common as common
+    monkeypatch.setattr(common, 'DIAG_SPAN', tl.constexpr(-1.0))
+    if shape == 'varlen_BT32':
+        check_case(1, 0, 1, 2, 32, 24, chunk_size=32, lengths=[5, 23, 38])
+    else:
+        check_case(1, 45, 1, 1, 32, 16, chunk_size=64)
+
+
 @requires_kernels
 @pytest.mark.parametrize('rule', ['halved_state_slice', 'K256'])
 def test_launch_rules(monkeypatch, rule):

@@ -547,4 +547,9 @@ def test_backward_raises_instead_of_dropping_gradients():
         o, _ = fused_recurrent_kda(**x, **params, use_gate_in_kernel=True)
         with pytest.raises(RuntimeError, match='no backward'):
             o.sum().backward()
+    # ... and one wanted for the initial state alone (review: it was silently missing).
+    h0 = torch.zeros(1, 1, 16, 16, device=dev, requires_grad=True)
+    o, _ = fused_recurrent_kda(**x, initial_state=h0)
+    with pytest.raises(RuntimeError, match='no backward'):
+        o.sum().backward()
 

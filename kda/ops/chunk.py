@@ -234,7 +234,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dg = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)          # final: no later pass adds to it
     dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
-    # The pair-matrix gradients reuse the forward's Aqk/Akk-sized scratch.
+    # Scratch for the pair-matrix gradients, float32: the diagonal sub-blocks use them in float32.
     dAqk = torch.empty(Aqk.shape, dtype=torch.float32, device=dev)
     dAkk = torch.empty_like(Akk)
     chunk_intra_bwd_kernel[(layout.total, HV)](

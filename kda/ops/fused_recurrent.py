@@ -168,7 +168,7 @@ def fused_recurrent_kda(
     def launch():
         fused_recurrent_kda_kernel[grid](
             q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices,
-            *gate.values(), problem.scale, lower_bound or 0.0, T, num_slots, stride_sk, stride_sv,
+            *gate.values(), problem.scale, float(lower_bound or 0.0), T, num_slots, stride_sk, stride_sv,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             USE_L2NORM=use_qk_l2norm_in_kernel,
             IS_VARLEN=cu_seqlens is not None,
@@ -182,7 +182,7 @@ def fused_recurrent_kda(
         )
         return out, (ht if output_final_state else None)
 
-    inputs = [x for x in (q, k, v, g, beta, A_log, dt_bias) if x is not None]
+    inputs = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state) if x is not None]
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         return ForwardOnly.apply(launch, *inputs)
     return launch()
