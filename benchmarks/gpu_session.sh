@@ -48,22 +48,15 @@ if [ "${TEST_SECONDS:-300}" != 0 ]; then
 fi
 if [ "$FLA" = 1 ]; then
     i=0
-    for kind in fwd gate_fwd; do
+    kinds="fwd gate_fwd"
+    [ "${WARM_BACKWARD:-1}" = 1 ] && kinds="$kinds fwdbwd gate_fwdbwd"
+    for kind in $kinds; do
         for shape in 8,4096,16 1,32768,32 1,8192,96 varlen; do
             CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${WARM_SECONDS:-300}" \
                 python3 benchmarks/warm_fla.py "$kind:$shape" > "$OUT/warm.$i.log" 2>&1 &
             pids+=($!); i=$((i + 1))
         done
     done
-    if [ "${WARM_BACKWARD:-1}" = 1 ]; then
-        for kind in fwdbwd gate_fwdbwd; do
-            for shape in 8,4096,16 1,32768,32 1,8192,96 varlen; do
-                CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${WARM_SECONDS:-300}" \
-                    python3 benchmarks/warm_fla.py "$kind:$shape" > "$OUT/warm.$i.log" 2>&1 &
-                pids+=($!); i=$((i + 1))
-            done
-        done
-    fi
 fi
 for p in "${pids[@]}"; do wait "$p"; done
 echo "tests and FLA warm-up: $(( $(date +%s) - start )) s"

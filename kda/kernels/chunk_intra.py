@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, diag_factors, exp_nonpos, load_row,
                                       load_rows, load_tile, mm, store_tile)
-from kda.kernels.gate import gate_fwd, gate_params
+from kda.kernels.gate import log_decay_tile
 
 
 @triton.jit
@@ -178,10 +178,8 @@ def chunk_cumsum_kernel(
     i_hv, i_k = i_hvk // NK, i_hvk % NK
     i_h = i_hv // (HV // H)
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
-    b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
-    if GATE != 'none':
-        b_a, b_bias = gate_params(A_log, dt_bias, i_hv, i_k * BK, K, BK)
-        b_g = gate_fwd(b_g + b_bias[None, :], b_a, lower_bound, GATE)
+    b_g, _, _ = log_decay_tile(load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK),
+                               A_log, dt_bias, i_hv, i_k * BK, lower_bound, K, BK, GATE)
     b_g = clamp_log_decay(b_g)
     b_c = tl.cumsum(b_g, axis=0)
     b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)

@@ -27,7 +27,7 @@ import triton.language as tl
 from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, diag_factors, diag_reference,
                                       exp_nonpos, load_row, load_rows, load_tile, mm, scale_rows,
                                       store_tile)
-from kda.kernels.gate import gate_bwd, gate_fwd, gate_params
+from kda.kernels.gate import gate_bwd, log_decay_tile
 
 
 @triton.jit
@@ -333,10 +333,9 @@ def chunk_gate_bwd_kernel(
     b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
     # Rows past L hold dc = 0, so their dg is 0 too (up to rounding; not stored).
     b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
+    b_lg, b_x, b_a = log_decay_tile(b_g, A_log, dt_bias, i_hv, i_k * BK, lower_bound, K, BK, GATE)
+    b_dg = tl.where(b_lg < LOG_DECAY_FLOOR, 0., b_dg)
     if GATE != 'none':
-        b_a, b_bias = gate_params(A_log, dt_bias, i_hv, i_k * BK, K, BK)
-        b_x = b_g + b_bias[None, :]
-        b_dg = tl.where(gate_fwd(b_x, b_a, lower_bound, GATE) < LOG_DECAY_FLOOR, 0., b_dg)
         b_dx, b_dA = gate_bwd(b_x, b_a, lower_bound, GATE)
         # Rows past L: dg is 0 up to the rounding of sum - cumsum; selected out of the sums.
         m_t = (tl.arange(0, BT) < L)[:, None]
@@ -347,4 +346,4 @@ def chunk_gate_bwd_kernel(
         tl.store(da + p_sum, tl.sum(tl.where(m_t, b_dA * b_dg, 0.), axis=0), mask=o_k < K)
         store_tile(dg_base, b_dx, 0, L, HV * K, i_k * BK, K, BT, BK)
     else:
-        store_tile(dg_base, tl.where(b_g < LOG_DECAY_FLOOR, 0., b_dg), 0, L, HV * K, i_k * BK, K, BT, BK)
+        store_tile(dg_base, b_dg, 0, L, HV * K, i_k * BK, K, BT, BK)

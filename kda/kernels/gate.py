@@ -54,6 +54,20 @@ def gate_fwd(b_x, b_a, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
+def log_decay_tile(b_g, A_log, dt_bias, i_hv, col0, lower_bound, K: tl.constexpr, BK: tl.constexpr,
+                   GATE: tl.constexpr):
+    """``(log-decay, x, a)`` of a ``[rows, BK]`` tile ``b_g`` of ``g`` (key columns ``col0..``,
+    value head ``i_hv``): the tile itself with ``GATE = 'none'``, else its activation, with
+    ``x = g_raw + dt_bias`` and ``a = exp(A_log)`` for ``gate_bwd``. The chunk forward and the gate
+    gradient both take the log-decay from here, so they clamp at the same values."""
+    if GATE == 'none':
+        return b_g, b_g, 1.0
+    b_a, b_bias = gate_params(A_log, dt_bias, i_hv, col0, K, BK)
+    b_x = b_g + b_bias[None, :]
+    return gate_fwd(b_x, b_a, lower_bound, GATE), b_x, b_a
+
+
+@triton.jit
 def gate_bwd(b_x, b_a, lower_bound, GATE: tl.constexpr):
     """``(dg/dx, dg/dA_log)`` at ``x = g_raw + dt_bias``."""
     if GATE == 'softplus':
