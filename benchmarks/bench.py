@@ -450,6 +450,9 @@ def _step_profile(chunk_fn, B=8, T=4096, H=16):
     do = torch.randn_like(inp['v'])
 
     def step():
+        # As do_bench's grad_to_none: no accumulation into .grad (4 element-wise adds a step).
+        for x in leaves.values():
+            x.grad = None
         o, _ = chunk_fn(**leaves, **opts)
         o.backward(do)
     step()

@@ -12,7 +12,7 @@ import inspect, subprocess, sys, re, os, tempfile
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
+from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel, chunk_wu_kernel
 from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
@@ -56,8 +56,10 @@ KERNELS = {
                  dict(floats=('scale',), **chunks), [(2, 2, None), (4, 2, None)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(q='*fp16', k='*fp16'), dict(BC=16, BK=32, FACTORED_DIAG=False, **{k: v for k, v in common.items() if k not in ('V', 'DOT_DTYPE')}, DOT_DTYPE=tl.float16),
                       dict(floats=('scale',), **chunks), [(2, 2, None)]),
-    'solve': (chunk_solve_kernel, dict(k=bf, v=bf, w=bf, u=bf, beta=bf), dict(BC=16, BK=64, BV=64, **common), chunks,
-              [(4, 2, None), (4, 1, None), (8, 2, None)]),
+    'solve': (chunk_solve_kernel, dict(beta=bf), dict(HV=16, BT=64, BC=16, IS_VARLEN=False), chunks,
+              [(2, 2, None), (1, 2, None), (4, 2, None)]),
+    'wu': (chunk_wu_kernel, dict(k=bf, v=bf, w=bf, u=bf, beta=bf), dict(BK=64, BV=64, **common), chunks,
+           [(4, 2, None), (4, 3, None)]),
     'intra_bwd': (chunk_intra_bwd_kernel, dict(q=bf, k=bf, v=bf, beta=bf, h=bf, v_new=bf, do=bf, dh=bf, dv_new=bf, dv=bf),
                   dict(BK=32, BV=32, **common), dict(floats=('scale',), **chunks), [(4, 1, None), (8, 1, None)]),
     'pair_bwd': (chunk_pair_bwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=64, **{k: v for k, v in common.items() if k != 'V'}),

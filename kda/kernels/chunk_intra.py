@@ -17,9 +17,10 @@ step decays by more than -5 on average, or keys are huge); the others ("far", fl
 through the same reference-row scheme once more, on groups of 4 rows, with only the 4 x 4
 diagonal groups formed element by element.
 
-Three kernels, in order: ``chunk_cumsum_kernel`` (c; the in-kernel gate's activation too),
+Four kernels, in order: ``chunk_cumsum_kernel`` (c; the in-kernel gate's activation too),
 ``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a chunk),
-``chunk_solve_kernel`` (M, W, U, one program per chunk).
+``chunk_solve_kernel`` (M) and ``chunk_wu_kernel`` (W, U), one program per chunk each. The
+backward keeps the forward's Aqk, A' and M and recomputes only c and W, U.
 """
 import triton
 import triton.language as tl
@@ -145,16 +146,43 @@ def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K
 
 
 @triton.jit
-def unit_lower_inverse(b_A, BT: tl.constexpr):
-    """``(I + A)^-1`` for strictly lower-triangular ``A`` (``[BT, BT]``), by forward substitution:
-    row i of the inverse is ``e_i - A[i, :] @ M``, which only reads rows already final."""
-    o_t = tl.arange(0, BT)
-    b_M = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    for i in range(1, BT):
-        b_a = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.), axis=0)
-        b_m = tl.sum(b_a[:, None] * b_M, axis=0)
-        b_M = tl.where(o_t[:, None] == i, b_M - b_m[None, :], b_M)
-    return b_M
+def substitution_step(b_A, b_M, i, o_c):
+    """Row ``i`` of ``(I + A)^-1`` for strictly lower-triangular ``A``, by forward substitution:
+    ``e_i - A[i, :] @ M``, which reads only rows of ``M`` already final (``M`` starts as I)."""
+    b_a = tl.sum(tl.where(o_c[:, None] == i, b_A, 0.), axis=0)
+    b_m = tl.sum(b_a[:, None] * b_M, axis=0)
+    return tl.where(o_c[:, None] == i, b_M - b_m[None, :], b_M)
+
+
+@triton.jit
+def diagonal_inverses(b_A1, b_A2, b_A3, b_A4, BC: tl.constexpr, N: tl.constexpr):
+    """``(I + A_n)^-1`` of the first ``N`` (2 or 4) strictly lower ``[BC, BC]`` blocks, row by row,
+    the N independent chains in one loop so that their steps overlap (the rest returned as is)."""
+    o_c = tl.arange(0, BC)
+    b_I = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)
+    b_M1, b_M2, b_M3, b_M4 = b_I, b_I, b_A3, b_A4
+    if N == 4:
+        b_M3, b_M4 = b_I, b_I
+    for i in range(1, BC):
+        b_M1 = substitution_step(b_A1, b_M1, i, o_c)
+        b_M2 = substitution_step(b_A2, b_M2, i, o_c)
+        if N == 4:
+            b_M3 = substitution_step(b_A3, b_M3, i, o_c)
+            b_M4 = substitution_step(b_A4, b_M4, i, o_c)
+    return b_M1, b_M2, b_M3, b_M4
+
+
+@triton.jit
+def beta_rows_block(K_base, beta_base, I: tl.constexpr, J: tl.constexpr, L, HV: tl.constexpr,
+                    BT: tl.constexpr, BC: tl.constexpr):
+    """Block ``(I, J)`` of ``A = diag(beta) A'`` (``[BC, BC]``, float32); strictly lower on the
+    diagonal (entries on and above it were never written as A')."""
+    o_c = tl.arange(0, BC)
+    b_b = tl.load(beta_base + (I * BC + o_c) * HV, mask=I * BC + o_c < L, other=0.).to(tl.float32)
+    b_A = load_tile(K_base, I * BC, L, HV * BT, J * BC, BT, BC, BC) * b_b[:, None]
+    if I == J:
+        b_A = tl.where(o_c[:, None] > o_c[None, :], b_A, 0.)
+    return b_A
 
 
 @triton.jit
@@ -233,53 +261,99 @@ def chunk_pair_fwd_kernel(
 
 @triton.jit
 def chunk_solve_kernel(
-    k, v, beta, gc, Akk, Minv, w, u,
+    beta, Akk, Minv,
     cu_seqlens, chunk_indices,
     T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """``M = (I + diag(beta) A')^-1`` (stored for the backward), then ``W`` and ``U``."""
+    """``M = (I + diag(beta) A')^-1`` of one chunk and value head (``chunk_wu_kernel`` then forms
+    W and U from it)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
-    k_base = k + start * H * K + i_h * K
-    v_base = v + start * HV * V + i_hv * V
-    gc_base = gc + start * HV * K + i_hv * K
     K_base = Akk + start * HV * BT + i_hv * BT
     M_base = Minv + start * HV * BT + i_hv * BT
-    o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
-    b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
 
-    # Block forward substitution over BC-row blocks: M_II = (I + A_II)^-1 row by row, then
-    # M_IJ = -M_II sum_{J <= L < I} A_IL M_LJ from blocks already written to Minv. A row-by-row
-    # solve of the whole chunk took BT dependent steps of [BT, BT] reductions; this takes BC
-    # steps on [BC, BC] tiles plus a few BC^3 products.
-    for i_i in range(BT // BC):
-        b_bi = tl.load(beta + (start + i_i * BC + o_c) * HV + i_hv, mask=i_i * BC + o_c < L,
-                       other=0.).to(tl.float32)
-        b_Aii = load_tile(K_base, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
-        b_Aii = tl.where(o_c[:, None] > o_c[None, :], b_Aii * b_bi[:, None], 0.)
-        b_Mii = unit_lower_inverse(b_Aii, BC)
-        store_tile(M_base, b_Mii, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
-        for i_j in range(i_i):
-            b_s = tl.zeros([BC, BC], dtype=tl.float32)
-            for i_l in range(i_j, i_i):
-                b_Ail = load_tile(K_base, i_i * BC, L, HV * BT, i_l * BC, BT, BC, BC) * b_bi[:, None]
-                b_Mlj = load_tile(M_base, i_l * BC, L, HV * BT, i_j * BC, BT, BC, BC)
-                b_s += mm(b_Ail, b_Mlj, tl.float32)
-            store_tile(M_base, -mm(b_Mii, b_s, tl.float32), i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
-        tl.debug_barrier()
+    # Block forward substitution on BC-row blocks, all in registers: the diagonal inverses
+    # M_II = (I + A_II)^-1 side by side, then M_IJ = -M_II sum_{J <= l < I} A_Il M_lJ. (It went
+    # through Minv in memory, one block after another with a barrier between them: with W and U
+    # in the same kernel, 0.69 ms a call at (8, 4096, 16) on the H200 either way.)
+    tl.static_assert(BT == 2 * BC or BT == 4 * BC, "chunks of 2 or 4 sub-blocks")
+    NC: tl.constexpr = BT // BC
+    f32: tl.constexpr = tl.float32
+    beta_base = beta + start * HV + i_hv
+    b_A21 = beta_rows_block(K_base, beta_base, 1, 0, L, HV, BT, BC)
+    if NC == 2:
+        b_M11, b_M22, _, _ = diagonal_inverses(beta_rows_block(K_base, beta_base, 0, 0, L, HV, BT, BC),
+                                               beta_rows_block(K_base, beta_base, 1, 1, L, HV, BT, BC),
+                                               b_A21, b_A21, BC, 2)
+        b_M21 = -mm(b_M22, mm(b_A21, b_M11, f32), f32)
+    else:
+        b_M11, b_M22, b_M33, b_M44 = diagonal_inverses(
+            beta_rows_block(K_base, beta_base, 0, 0, L, HV, BT, BC),
+            beta_rows_block(K_base, beta_base, 1, 1, L, HV, BT, BC),
+            beta_rows_block(K_base, beta_base, 2, 2, L, HV, BT, BC),
+            beta_rows_block(K_base, beta_base, 3, 3, L, HV, BT, BC), BC, 4)
+        b_M21 = -mm(b_M22, mm(b_A21, b_M11, f32), f32)
+        b_A31 = beta_rows_block(K_base, beta_base, 2, 0, L, HV, BT, BC)
+        b_A32 = beta_rows_block(K_base, beta_base, 2, 1, L, HV, BT, BC)
+        b_M31 = -mm(b_M33, mm(b_A31, b_M11, f32) + mm(b_A32, b_M21, f32), f32)
+        b_M32 = -mm(b_M33, mm(b_A32, b_M22, f32), f32)
+        b_A41 = beta_rows_block(K_base, beta_base, 3, 0, L, HV, BT, BC)
+        b_A42 = beta_rows_block(K_base, beta_base, 3, 1, L, HV, BT, BC)
+        b_A43 = beta_rows_block(K_base, beta_base, 3, 2, L, HV, BT, BC)
+        b_M41 = -mm(b_M44, mm(b_A41, b_M11, f32) + mm(b_A42, b_M21, f32) + mm(b_A43, b_M31, f32), f32)
+        b_M42 = -mm(b_M44, mm(b_A42, b_M22, f32) + mm(b_A43, b_M32, f32), f32)
+        b_M43 = -mm(b_M44, mm(b_A43, b_M33, f32), f32)
+        store_tile(M_base, b_M31, 2 * BC, L, HV * BT, 0, BT, BC, BC)
+        store_tile(M_base, b_M32, 2 * BC, L, HV * BT, BC, BT, BC, BC)
+        store_tile(M_base, b_M33, 2 * BC, L, HV * BT, 2 * BC, BT, BC, BC)
+        store_tile(M_base, b_M41, 3 * BC, L, HV * BT, 0, BT, BC, BC)
+        store_tile(M_base, b_M42, 3 * BC, L, HV * BT, BC, BT, BC, BC)
+        store_tile(M_base, b_M43, 3 * BC, L, HV * BT, 2 * BC, BT, BC, BC)
+        store_tile(M_base, b_M44, 3 * BC, L, HV * BT, 3 * BC, BT, BC, BC)
+    store_tile(M_base, b_M11, 0, L, HV * BT, 0, BT, BC, BC)
+    store_tile(M_base, b_M21, BC, L, HV * BT, 0, BT, BC, BC)
+    store_tile(M_base, b_M22, BC, L, HV * BT, BC, BT, BC, BC)
+
+
+@triton.jit
+def wy_transform(M_base, b_beta, k_base, v_base, gc_base, w_base, u_base, L, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """``W = M diag(beta) (k * exp(c))`` and ``U = M diag(beta) v`` of one chunk from its stored
+    ``M`` (entries above the diagonal are never written: selected out)."""
+    o_t = tl.arange(0, BT)
     b_M = load_tile(M_base, 0, L, HV * BT, 0, BT, BT, BT)
     b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
-
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_tile(k_base, 0, L, H * K, i_k * BK, K, BT, BK)
         b_c = load_tile(gc_base, 0, L, HV * K, i_k * BK, K, BT, BK)
         b_x = b_k * exp_nonpos(b_c) * b_beta[:, None]
-        store_tile(w + start * HV * K + i_hv * K, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * K, i_k * BK, K, BT, BK)
+        store_tile(w_base, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * K, i_k * BK, K, BT, BK)
     for i_v in range(tl.cdiv(V, BV)):
         b_x = load_tile(v_base, 0, L, HV * V, i_v * BV, V, BT, BV) * b_beta[:, None]
-        store_tile(u + start * HV * V + i_hv * V, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * V, i_v * BV, V, BT, BV)
+        store_tile(u_base, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * V, i_v * BV, V, BT, BV)
+
+
+@triton.jit
+def chunk_wu_kernel(
+    k, v, beta, gc, Minv, w, u,
+    cu_seqlens, chunk_indices,
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """``W`` and ``U`` of one chunk and value head from its ``M``. A kernel of its own rather than
+    the solve's tail: the backward's recompute runs it alone on the forward's ``M``, and the solve
+    runs faster with fewer warps than these products want (H200, (8, 4096, 16), at 3598f32: the
+    solve with W and U took 0.58 ms a call at 2 warps, 0.68 at 4; W and U alone 0.26 at 4)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
+    wy_transform(Minv + start * HV * BT + i_hv * BT, b_beta, k + start * H * K + i_h * K,
+                 v + start * HV * V + i_hv * V, gc + start * HV * K + i_hv * K,
+                 w + start * HV * K + i_hv * K, u + start * HV * V + i_hv * V, L, H, HV, K, V, BT,
+                 BK, BV, DOT_DTYPE)

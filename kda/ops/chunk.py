@@ -2,8 +2,9 @@
 
 Forward: stage 1 (``kernels/chunk_intra.py``) builds each chunk's matrices, stage 2
 (``kernels/chunk_state.py``) carries the state across chunks, stage 3 (``kernels/chunk_output.py``)
-forms the outputs. Backward recomputes stages 1-2 from the saved inputs (nothing chunk-sized is
-kept between forward and backward unless ``disable_recompute=True``), then runs the state-gradient
+forms the outputs. Backward recomputes stages 1-2 from the saved inputs and the forward's in-chunk
+matrices Aqk, A' and M (``[B, T, HV, BT]`` each; nothing ``[.., K]``- or state-sized is kept
+between forward and backward unless ``disable_recompute=True``), then runs the state-gradient
 sweep (``kernels/chunk_state_bwd.py``) and the per-chunk gradient kernels
 (``kernels/chunk_intra_bwd.py``). Launch configurations: ``TUNING`` below.
 """
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
+from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel, chunk_wu_kernel
 from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_output import chunk_output_fwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
@@ -63,9 +64,15 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None, device)
 # the sweep edits this table in place to time alternatives. The state slice [K, BV] of the
 # sequential stages lives in registers in float32.
 TUNING = {
-    'cumsum': dict(BK=64, num_warps=4),
-    'pair_fwd': dict(BK=32, num_warps=2, num_stages=2),
-    'solve': dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    # H200 sweeps at 3598f32 + this table's changes, (8, 4096, 16), ms a call. maxnreg caps the
+    # registers a thread so more programs fit an SM. cumsum: 0.308 capped at 96 (0.322 not, 0.407
+    # at 64). pair_fwd: 0.530 at 128 and 3 stages (0.600 uncapped, 2 stages; 4 warps >= 0.81).
+    # solve: 0.138 at 1 warp (0.308 at 2, 0.417 at 4: its [16, 16] blocks fill one warp).
+    # wu: 0.250 at 3 stages (0.260 at 2).
+    'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
+    'pair_fwd': dict(BK=32, num_warps=2, num_stages=3, maxnreg=128),
+    'solve': dict(num_warps=1),
+    'wu': dict(BK=64, BV=64, num_warps=4, num_stages=3),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
     'output': dict(BK=64, BV=128, num_warps=8, num_stages=3),
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
@@ -74,10 +81,9 @@ TUNING = {
     # 4 warps spill 724 B a thread here (8 warps: 152 B; triton 3.6, ptxas -v) yet ran 2.27 ms
     # against 3.49 ms at 8 warps (H200 sweep at 15d04d2, (8, 4096, 16)).
     'intra_bwd': dict(BK=32, BV=32, num_warps=4, num_stages=1),
-    # Fastest of six in the sweep at 87afc0d (2.36 ms; 32-wide: 3.94 ms), when the element-wise
-    # diagonal fallback held 255 registers and 432 B of spills a thread. With the 4-row fallback
-    # (triton 3.6, ptxas -v): 255 registers, 8 B of spills; 1 stage: 229 registers, none. Untimed.
-    'pair_bwd': dict(BK=64, num_warps=4, num_stages=2),
+    # H200 sweep at 3598f32, (8, 4096, 16): capped at 168 registers, 2.00 ms a call against 2.53
+    # uncapped (3 programs an SM instead of 2); 1 stage 2.48 capped, 3.42 not; 32-wide >= 3.08.
+    'pair_bwd': dict(BK=64, num_warps=4, num_stages=2, maxnreg=168),
     'gate_bwd': dict(BK=32, num_warps=4),
 }
 
@@ -136,8 +142,10 @@ def gate_launch_args(gate: KernelGate | None) -> dict:
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
-                  need_output: bool = True, chunk_state_dtype: torch.dtype | None = None):
-    """Runs the three forward stages (the third only with ``need_output``). Returns
+                  need_output: bool = True, chunk_state_dtype: torch.dtype | None = None,
+                  matrices=None):
+    """Runs the three forward stages (the third only with ``need_output``); with ``matrices``
+    (``(Aqk, Akk, Minv)`` of an earlier call on the same inputs) stage 1 reuses them. Returns
     ``(o, final_state, intermediates)`` where the intermediates are
     ``(gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt)``. ``gate``: ``g`` is the raw gate, activated
     in the first kernel. The per-chunk states ``h`` are kept in ``chunk_state_dtype`` (default:
@@ -151,11 +159,6 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=cu_seqlens is not None)
 
     gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    # Aqk is only ever a matrix-product operand (output stage, gradient sweep), rounded to the input
-    # dtype there anyway: kept in it (A' and M, which the solve uses in float32, are not).
-    Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
-    Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
-    Minv = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
     w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
     u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
@@ -166,13 +169,25 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=gc, qt=qt, kbar=kbar, scale=scale, H=H, HV=HV, K=K, BT=BT,
         IS_VARLEN=common['IS_VARLEN'], **gate_launch_args(gate), **chunks, **cfg)
-    chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
-        q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'],
-        # float16's range ends at 65504: no factor >= 1 on its operands.
-        FACTORED_DIAG=dt != torch.float16,
-        IS_VARLEN=common['IS_VARLEN'], **chunks, **launch_config('pair_fwd', K, V))
-    chunk_solve_kernel[(layout.total, HV)](
-        k, v, beta, gc, Akk, Minv, w, u, BC=BC, **common, **chunks, **launch_config('solve', K, V))
+    if matrices is not None:
+        Aqk, Akk, Minv = matrices
+    else:
+        # Aqk is only ever a matrix-product operand (output stage, gradient sweep), rounded to the
+        # input dtype there anyway: kept in it (A' and M, which the solve uses in float32, are not).
+        Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
+        Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
+        Minv = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
+        chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
+            q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
+            DOT_DTYPE=common['DOT_DTYPE'],
+            # float16's range ends at 65504: no factor >= 1 on its operands.
+            FACTORED_DIAG=dt != torch.float16,
+            IS_VARLEN=common['IS_VARLEN'], **chunks, **launch_config('pair_fwd', K, V))
+        chunk_solve_kernel[(layout.total, HV)](
+            beta, Akk, Minv, HV=HV, BT=BT, BC=BC, IS_VARLEN=common['IS_VARLEN'], **chunks,
+            **launch_config('solve', K, V))
+    chunk_wu_kernel[(layout.total, HV)](k, v, beta, gc, Minv, w, u, **common, **chunks,
+                                        **launch_config('wu', K, V))
 
     blocks = state_launch_config('state_fwd', K, V, N * HV, dev)
     h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
@@ -198,8 +213,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
 
 def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
-                  layout: ChunkLayout, do, dht, saved=None, gate: KernelGate | None = None):
-    """Gradients of ``chunk_kda_fwd``: recomputes stages 1-2 (unless ``saved`` holds them), sweeps
+                  layout: ChunkLayout, do, dht, saved=None, gate: KernelGate | None = None,
+                  matrices=None):
+    """Gradients of ``chunk_kda_fwd``: recomputes stages 1-2 (unless ``saved`` holds them; from
+    the forward's ``matrices`` = ``(Aqk, Akk, Minv)`` when given), sweeps
     the state gradient backwards, then forms every per-token gradient chunk by chunk.
     Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``, in float32 but ``dv`` (v's dtype)
     (dq, dk summed over GVA groups; ``dg`` of the raw gate with ``gate``; the last two None
@@ -212,7 +229,8 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
     if saved is None:
         _, _, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, False, state_v_first,
-                                    cu_seqlens, layout, gate, need_output=False)
+                                    cu_seqlens, layout, gate, need_output=False, matrices=matrices)
+    matrices = None
     gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt = saved
     saved = None
 
@@ -227,7 +245,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
         **blocks, **common)
     # Read by no later kernel: freed before the per-token gradients are allocated (the peak).
-    del kbar, qt
+    del kbar, qt, w, u
 
     dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
@@ -284,7 +302,13 @@ class ChunkKDAFunction(torch.autograd.Function):
         o, final_state, saved = chunk_kda_fwd(qn, kn, v, g, beta, scale, initial_state,
                                               output_final_state, state_v_first, cu_seqlens, layout,
                                               gate)
-        ctx.save_for_backward(q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        # Kept either way: the in-chunk matrices, [B, T, HV, BT] each (at BT = 64, K = V = 128,
+        # bf16 with g in float32: half the bytes of q, k, v and g), which spare the backward's
+        # recompute the pair products and the solve (H200, (8, 4096, 16), at 3598f32: 0.60 and
+        # 0.69 ms of its 1.9 ms); it forms W and U from M instead.
+        Aqk, Akk, Minv = saved[1:4]
+        ctx.save_for_backward(q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                              Aqk, Akk, Minv)
         ctx.saved_intermediates = saved if disable_recompute else None
         ctx.scale, ctx.state_v_first, ctx.layout = scale, state_v_first, layout
         ctx.qk_l2norm, ctx.gate_kind, ctx.lower_bound = qk_l2norm, gate_kind, lower_bound
@@ -292,7 +316,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *matrices = ctx.saved_tensors
         qn, kn = q, k
         if ctx.qk_l2norm:
             qn, kn = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
@@ -301,7 +325,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         saved, ctx.saved_intermediates = ctx.saved_intermediates, None
         dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_kda_bwd(
             qn, kn, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
-            do.contiguous(), None if dht is None else dht.contiguous(), saved, gate)
+            do.contiguous(), None if dht is None else dht.contiguous(), saved, gate, matrices)
+        matrices = None
         if ctx.qk_l2norm:
             dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype),
