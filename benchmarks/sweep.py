@@ -48,12 +48,11 @@ CANDIDATES = {
                  cfg(32, None, 4, 2, 128)],
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
     'wu': [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 128, 8, 2), cfg(64, 64, 4, 3, 128)],
-    # BK 32 / BV 64 / 4 warps / 1 stage hit an illegal memory access on the H200 (triton 3.6,
-    # sweep at 3598f32; 64 / 32 ran, 2.45 ms against 2.03): left out, not understood.
-    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 4, 2), cfg(16, 32, 4, 1), cfg(32, 32, 2, 1),
-                  cfg(16, 16, 4, 1)],
-    'pair_bwd': [cfg(64, None, 4, 2, 168), cfg(64, None, 4, 2, 128), cfg(64, None, 4, 2, 144),
-                 cfg(64, None, 4, 3, 168), cfg(32, None, 4, 2, 128), cfg(32, None, 2, 2, 168)],
+    # Square tiles only (kda.ops.chunk.launch_config says why).
+    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 2, 1), cfg(16, 16, 4, 1), cfg(64, 64, 8, 1),
+                  cfg(64, 64, 4, 1)],
+    'pair_bwd': [cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168), cfg(64, None, 4, 2, 128),
+                 cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(32, None, 2, 2, 168)],
     'gate_bwd': [cfg(32, None, 4, 2)],
     'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 3),
                   cfg(None, 64, 4, 3), cfg(None, 16, 4, 2)],

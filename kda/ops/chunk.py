@@ -112,6 +112,12 @@ def launch_config(stage: str, K: int, V: int) -> dict:
         cfg['BK'] = min(cfg['BK'], next_pow2(K))
     if 'BV' in cfg:
         cfg['BV'] = min(cfg['BV'], next_pow2(V))
+    if stage == 'intra_bwd':
+        # Square tiles only. With BK < BV (K = 16 and V >= 32; or forced 16 / 32 and 32 / 64 at
+        # K = V = 128) the compiled kernel reads past its shared memory on the H200 (triton 3.6,
+        # bf16; compute-sanitizer: invalid __shared__ reads of 512 bytes), an illegal-address
+        # fault; the interpreter gives the right gradients there. Not understood, avoided.
+        cfg['BK'] = cfg['BV'] = min(cfg['BK'], cfg['BV'])
     if stage.startswith('state_'):
         # The whole key dimension is one block. At K = 256 a pipelined chunk loop asked for
         # 273 KiB of shared memory (the H200 has 227 KiB); one stage fits.

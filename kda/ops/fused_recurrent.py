@@ -79,6 +79,12 @@ def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     return o, (ht if output_final_state else None)
 
 
+# Value columns per program and warps. 32 columns: a 128 x 32 float32 state tile is 32 registers
+# a thread at 4 warps, and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at
+# H = 32). benchmarks/sweep_decode.py edits this in place to time alternatives.
+DECODE_TUNING = dict(BV=32, num_warps=4)
+
+
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,9 +163,7 @@ def fused_recurrent_kda(
     num_slots = initial_state.shape[0] if initial_state is not None else N
     stride_sk, stride_sv = state_strides(K, V, state_v_first)
     BK = next_pow2(K)
-    # 32 value columns per program: a 128x32 float32 tile is 32 registers per thread at 4 warps,
-    # and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at H = 32).
-    BV = min(next_pow2(V), 32)
+    BV = min(next_pow2(V), DECODE_TUNING['BV'])
     grid = (N * HV * cdiv(V, BV),)
     # The gate's parameters, dense (a no-op for the [HV] / [HV * K] vectors the API takes).
     gate = dict(A_log=A_log, dt_bias=dt_bias) if use_gate_in_kernel else dict(A_log=None, dt_bias=None)
@@ -178,7 +182,7 @@ def fused_recurrent_kda(
             GATE='none' if not use_gate_in_kernel else 'softplus' if lower_bound is None else 'sigmoid',
             BETA=('none' if not use_beta_sigmoid_in_kernel else 'sigmoid2' if allow_neg_eigval
                   else 'sigmoid'),
-            num_warps=4,
+            num_warps=DECODE_TUNING['num_warps'],
         )
         return out, (ht if output_final_state else None)
 
