@@ -49,8 +49,7 @@ CANDIDATES = {
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
     'wu': [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 128, 8, 2), cfg(64, 64, 4, 3, 128)],
     # Square tiles only (kda.ops.chunk.launch_config says why).
-    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 2, 1), cfg(16, 16, 4, 1), cfg(64, 64, 8, 1),
-                  cfg(64, 64, 4, 1)],
+    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 4, 2), cfg(16, 16, 4, 1), cfg(64, 64, 8, 1)],
     'pair_bwd': [cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168), cfg(64, None, 4, 2, 128),
                  cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(32, None, 2, 2, 168)],
     'gate_bwd': [cfg(32, None, 4, 2)],
