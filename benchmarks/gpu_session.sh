@@ -15,8 +15,9 @@
 # after 170 s, and bench.py's forward + backward part then ran out of its 160 s; a second call on
 # the same machine (FLA's picks on disk) timed it in 32 s. Give the backward warm-ups ~300 s, or a
 # call of their own.
-# Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; TEST_SECONDS=0 skips
-# the tests), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),
+# Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; 0 skips that phase:
+# a session can run tests and warm-ups in one call and the benchmark in a second on the same
+# machine, where FLA's picks are still on disk), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),
 # BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs). At most 8 files come back from a device
 # call: pytest.log, warm.log, bench.<gpu>.log, results.<gpu>.md, gpu.txt, the plot.
 # FLA comes from a carried wheel when .whl/ holds one (see benchmarks/FLA_NOTES.md).
@@ -46,7 +47,7 @@ if [ "${TEST_SECONDS:-300}" != 0 ]; then
     pids=()
     echo "tests: $(( $(date +%s) - start )) s"
 fi
-if [ "$FLA" = 1 ]; then
+if [ "$FLA" = 1 ] && [ "${WARM_SECONDS:-300}" != 0 ]; then
     i=0
     kinds="fwd gate_fwd"
     [ "${WARM_BACKWARD:-1}" = 1 ] && kinds="$kinds fwdbwd gate_fwdbwd"
@@ -69,6 +70,10 @@ if compgen -G "$OUT/warm.*.log" > /dev/null; then
     grep -h "^warm" "$OUT/warm.log"
 fi
 
+if [ "${BENCH_SECONDS:-300}" = 0 ]; then
+    echo "total: $(( $(date +%s) - start )) s"
+    exit 0
+fi
 ALL=fwd,gate_fwd,fwdbwd,gate_fwdbwd,profile,decode,throughput
 if [ "$GPUS" -ge 2 ]; then
     PARTS=(${PARTS0:-fwd,gate_fwd,decode} ${PARTS1:-profile,throughput,fwdbwd,gate_fwdbwd})
