@@ -8,7 +8,7 @@ K = V = 128, chunk 64, the launchers' block sizes) and runs the ptxas bundled wi
 time. Run it with the GPU's Triton version (3.6 on the lent H200) for the figures that matter:
 3.6 and 3.9 allocate differently.
 """
-import inspect, subprocess, sys, re, os, tempfile
+import subprocess, sys, re, os, tempfile
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

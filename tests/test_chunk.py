@@ -397,6 +397,59 @@ def test_strong_decay(chunk_size, pattern, lengths):
 
 
 @requires_kernels
+@pytest.mark.parametrize('chunk_size,lengths,H,HV', [
+    (64, [70], 1, 1), (32, [70], 1, 2), (64, [1, 65, 49, 2], 1, 2), (32, [1, 33, 17, 64], 2, 2)])
+def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
+    """The solve's M = (I + diag(beta) A')^-1 and W, U = M diag(beta) [k exp(c) | v], entry by
+    entry against float64 (torch.linalg.inv). Mild decay (steps in [-0.02, 0]), correlated keys
+    and beta up to 2 (allow_neg_eigval's range) keep every block of M large, so a wrong term in
+    a block far from the diagonal shows (with the default inputs, where steps reach -1, blocks
+    48 rows from the diagonal are ~1e-16 of the rest and the end-to-end tests hardly see them:
+    dropping one product from M's corner block failed a single test). Every allocation of the
+    forward starts as NaN, so an entry the kernels should have written and did not shows too."""
+    empty = torch.empty
+
+    def nan_empty(*size, **kw):
+        t = empty(*size, **kw)
+        return t.fill_(float('nan')) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, 'empty', nan_empty)
+    K = V = 16
+    T = sum(lengths)
+    x = make_inputs(1, T, H, HV, K, V)
+    k = x['k'] + 1.5 * x['k'][:, :1]
+    k = k / k.norm(dim=-1, keepdim=True)
+    beta = 2 * torch.rand(1, T, HV)
+    g = -0.02 * torch.rand(1, T, HV, K)
+    offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    varlen = len(lengths) > 1
+    cu = lengths_to_cu(lengths).to(KDEV) if varlen else None
+    layout = chunk_mod.chunk_layout(1, T, chunk_size, offsets if varlen else None, KDEV)
+    _, _, saved = chunk_mod.chunk_kda_fwd(x['q'].to(KDEV), k.to(KDEV), x['v'].to(KDEV), g.to(KDEV),
+                                          beta.to(KDEV), 0.25, None, False, False, cu, layout,
+                                          need_output=False)
+    gc, _, Akk, Minv, w, u = (t.double().cpu() for t in saved[:6])
+    worst = far = 0.
+    for s, e in zip(offsets, offsets[1:]):
+        for c0 in range(s, e, chunk_size):
+            L = min(chunk_size, e - c0)
+            rows = slice(c0, c0 + L)
+            for hv in range(HV):
+                b = beta[0, rows, hv, None].double()
+                M = torch.linalg.inv(torch.eye(L, dtype=torch.float64) + b * Akk[0, rows, hv, :L].tril(-1))
+                X_w = b * k[0, rows, hv // (HV // H)].double() * gc[0, rows, hv].exp()
+                X_u = b * x['v'][0, rows, hv].double()
+                scale = M.abs().max()
+                for got, ref in ((Minv[0, rows, hv, :L].tril(), M), (w[0, rows, hv], M @ X_w),
+                                 (u[0, rows, hv], M @ X_u)):
+                    err = ((got - ref).abs().max() / ref.abs().max()).item()
+                    worst = max(worst, err if math.isfinite(err) else math.inf)   # NaN: unwritten
+                if L > chunk_size - 16:        # M's corner block, farthest from the diagonal
+                    far = max(far, (M[chunk_size - 16:, :16].abs().max() / scale).item())
+    assert far > 0.05, f"the inputs no longer exercise M's far blocks (largest {far:.1e} of max |M|)"
+    assert worst < 2e-5, f"solve / W, U: max relative error {worst:.2e}"
+
+
+@requires_kernels
 @pytest.mark.parametrize('drop', [-58., -61., 'mixed', 'large_values'])
 def test_diagonal_block_paths(drop):
     """The backward's diagonal sub-blocks factor through their middle row r (row 7 of 16; float32

@@ -25,8 +25,8 @@ backward keeps the forward's Aqk, A' and M and recomputes only c and W, U.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, diag_factors, exp_nonpos, load_row,
-                                      load_rows, load_tile, mm, store_tile)
+from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_nonpos, load_row, load_rows,
+                                      load_tile, mm, store_tile)
 from kda.kernels.gate import log_decay_tile
 
 

@@ -6,7 +6,7 @@ import torch
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
 from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.utils import cdiv, contiguous, next_pow2, state_strides, use_kernels
-from kda.ops.validation import (_expect_dtype, _expect_shape, _expect_tensor, _expect_bool,
+from kda.ops.validation import (_expect_shape, _expect_tensor, _expect_bool,
                                 validate_activations, validate_inputs, validate_state)
 from kda.reference import naive_recurrent_kda
 
