@@ -317,25 +317,6 @@ def chunk_solve_kernel(
 
 
 @triton.jit
-def wy_transform(M_base, b_beta, k_base, v_base, gc_base, w_base, u_base, L, H: tl.constexpr,
-                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """``W = M diag(beta) (k * exp(c))`` and ``U = M diag(beta) v`` of one chunk from its stored
-    ``M`` (entries above the diagonal are never written: selected out)."""
-    o_t = tl.arange(0, BT)
-    b_M = load_tile(M_base, 0, L, HV * BT, 0, BT, BT, BT)
-    b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
-    for i_k in range(tl.cdiv(K, BK)):
-        b_k = load_tile(k_base, 0, L, H * K, i_k * BK, K, BT, BK)
-        b_c = load_tile(gc_base, 0, L, HV * K, i_k * BK, K, BT, BK)
-        b_x = b_k * exp_nonpos(b_c) * b_beta[:, None]
-        store_tile(w_base, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * K, i_k * BK, K, BT, BK)
-    for i_v in range(tl.cdiv(V, BV)):
-        b_x = load_tile(v_base, 0, L, HV * V, i_v * BV, V, BT, BV) * b_beta[:, None]
-        store_tile(u_base, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * V, i_v * BV, V, BT, BV)
-
-
-@triton.jit
 def chunk_wu_kernel(
     k, v, beta, gc, Minv, w, u,
     cu_seqlens, chunk_indices,
@@ -344,16 +325,26 @@ def chunk_wu_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """``W`` and ``U`` of one chunk and value head from its ``M``. A kernel of its own rather than
-    the solve's tail: the backward's recompute runs it alone on the forward's ``M``, and the solve
-    runs faster with fewer warps than these products want (H200, (8, 4096, 16), at 3598f32: the
-    solve with W and U took 0.58 ms a call at 2 warps, 0.68 at 4; W and U alone 0.26 at 4)."""
+    """``W = M diag(beta) (k * exp(c))`` and ``U = M diag(beta) v`` of one chunk and value head
+    from its stored ``M`` (entries above the diagonal are never written: selected out). A kernel
+    of its own rather than the solve's tail: the backward's recompute runs it alone on the
+    forward's ``M``, and the solve runs faster with fewer warps than these products want (H200,
+    (8, 4096, 16), at 3598f32: the solve with W and U took 0.58 ms a call at 2 warps, 0.68 at 4;
+    W and U alone 0.26 at 4)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
-    wy_transform(Minv + start * HV * BT + i_hv * BT, b_beta, k + start * H * K + i_h * K,
-                 v + start * HV * V + i_hv * V, gc + start * HV * K + i_hv * K,
-                 w + start * HV * K + i_hv * K, u + start * HV * V + i_hv * V, L, H, HV, K, V, BT,
-                 BK, BV, DOT_DTYPE)
+    b_M = load_tile(Minv + start * HV * BT + i_hv * BT, 0, L, HV * BT, 0, BT, BT, BT)
+    b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_k = load_tile(k + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
+        b_c = load_tile(gc + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
+        b_x = b_k * exp_nonpos(b_c) * b_beta[:, None]
+        store_tile(w + start * HV * K + i_hv * K, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * K, i_k * BK, K,
+                   BT, BK)
+    for i_v in range(tl.cdiv(V, BV)):
+        b_x = load_tile(v + start * HV * V + i_hv * V, 0, L, HV * V, i_v * BV, V, BT, BV) * b_beta[:, None]
+        store_tile(u + start * HV * V + i_hv * V, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * V, i_v * BV, V,
+                   BT, BV)

@@ -236,7 +236,6 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     if saved is None:
         _, _, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, False, state_v_first,
                                     cu_seqlens, layout, gate, need_output=False, matrices=matrices)
-    matrices = None
     gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt = saved
     saved = None
 
@@ -332,7 +331,6 @@ class ChunkKDAFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_kda_bwd(
             qn, kn, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
             do.contiguous(), None if dht is None else dht.contiguous(), saved, gate, matrices)
-        matrices = None
         if ctx.qk_l2norm:
             dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype),
