@@ -18,9 +18,13 @@
 # Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; 0 skips that phase:
 # a session can run tests and warm-ups in one call and the benchmark in a second on the same
 # machine, where FLA's picks are still on disk), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),
-# BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs). At most 8 files come back from a device
+# BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs). At most 8 files come back from a device (9 with fla_autotune.tgz: keep the tests and the warm-ups in separate calls)
 # call: pytest.log, warm.log, bench.<gpu>.log, results.<gpu>.md, gpu.txt, the plot.
 # FLA comes from a carried wheel when .whl/ holds one (see benchmarks/FLA_NOTES.md).
+# FLA's autotuner picks travel too: after the warm-ups the script packs Triton's cached picks
+# (*.autotune.json) into $OUT/fla_autotune.tgz; put that file in .fla_cache/ (git-ignored) and
+# carry it, and a fresh machine unpacks it first, so FLA times with those picks and no warm-up
+# (Triton keys each file by its version, the GPU target, the kernel source and the tuning key).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -34,6 +38,11 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 SHARDS=${SHARDS:-14}
+CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .fla_cache/fla_autotune.tgz ]; then
+    mkdir -p "$CACHE" && tar -xzf .fla_cache/fla_autotune.tgz -C "$CACHE" \
+        && echo "FLA autotune picks unpacked: $(tar -tzf .fla_cache/fla_autotune.tgz | wc -l) files"
+fi
 start=$(date +%s)
 
 pids=()
@@ -61,6 +70,10 @@ if [ "$FLA" = 1 ] && [ "${WARM_SECONDS:-300}" != 0 ]; then
 fi
 for p in "${pids[@]}"; do wait "$p"; done
 echo "tests and FLA warm-up: $(( $(date +%s) - start )) s"
+if [ "$FLA" = 1 ] && [ "${WARM_SECONDS:-300}" != 0 ]; then
+    (cd "$CACHE" && find . -name '*.autotune.json' | tar -czf "$OUT/fla_autotune.tgz" -T -) \
+        && echo "FLA autotune picks packed: $(tar -tzf "$OUT/fla_autotune.tgz" | wc -l) files"
+fi
 if compgen -G "$OUT/pytest.*.log" > /dev/null; then
     cat "$OUT"/pytest.*.log > "$OUT/pytest.log" && rm "$OUT"/pytest.*.log
     grep -hE "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Timeout|Terminated" "$OUT/pytest.log"
