@@ -31,10 +31,12 @@ sys.path.insert(0, str(ROOT / 'benchmarks'))
 import bench  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
+FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd'}
 KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
            'solve': 'chunk_solve_kernel', 'wu': 'chunk_wu_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
            'output': 'chunk_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
            'intra_bwd': 'chunk_intra_bwd_kernel', 'pair_bwd': 'chunk_pair_bwd_kernel',
+           'pair_bwd_bounded': 'chunk_pair_bwd_kernel',
            'gate_bwd': 'chunk_gate_bwd_kernel'}
 
 
@@ -49,10 +51,18 @@ CANDIDATES = {
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
     'wu': [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 128, 8, 2), cfg(64, 64, 4, 3, 128)],
     # Square tiles only (kda.ops.chunk.launch_config says why).
-    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 4, 2), cfg(16, 16, 4, 1), cfg(64, 64, 8, 1)],
+    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 4, 1, 168), cfg(32, 32, 4, 1, 192), cfg(32, 32, 4, 1, 208),
+                  cfg(32, 32, 4, 2, 168), cfg(32, 32, 4, 1, 128)],
     'pair_bwd': [cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168), cfg(64, None, 4, 2, 128),
-                 cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(32, None, 2, 2, 168)],
+                 cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(64, None, 8, 2, 128)],
+    'pair_bwd_bounded': [cfg(64, None, 4, 2, 128), cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168),
+                         cfg(64, None, 4, 2, 112), cfg(64, None, 4, 3, 128)],
     'gate_bwd': [cfg(32, None, 4, 2)],
+    # FEW_PROGRAMS entries (the state sweeps where (sequence, head) pairs x value slices < SMs).
+    'state_fwd_few': [cfg(None, 32, 4, 2), cfg(None, 16, 4, 2), cfg(None, 16, 8, 2), cfg(None, 32, 8, 2),
+                      cfg(None, 16, 2, 2), cfg(None, 32, 4, 3)],
+    'state_bwd_few': [cfg(None, 32, 8, 2), cfg(None, 16, 8, 2), cfg(None, 16, 4, 2), cfg(None, 32, 4, 2),
+                      cfg(None, 32, 8, 3)],
     'state_fwd': [cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 3),
                   cfg(None, 64, 4, 3), cfg(None, 16, 4, 2)],
     'state_bwd': [cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 3),
@@ -63,6 +73,9 @@ CANDIDATES = {
 # (B, T, H, Kimi lower-bound gate)
 SHAPES = {stage: [(8, 4096, 16, False)] for stage in CANDIDATES}
 SHAPES['state_fwd'] = SHAPES['state_bwd'] = [(8, 4096, 16, False), (1, 32768, 32, False), (1, 8192, 96, False)]
+SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = [(1, 32768, 32, False)]
+# The lower-bound gate compiles the pair gradients without their diagonal fallback.
+SHAPES['pair_bwd_bounded'] = [(8, 4096, 16, True)]
 
 
 def inputs(B, T, H, gate=False):
@@ -92,9 +105,21 @@ def kernel_ms(stage, leaves, do, reps=3):
             step(leaves, do)
         torch.cuda.synchronize()
     for e in prof.key_averages():
-        if e.key.startswith(KERNELS[stage]):
+        if e.key.startswith(KERNELS[FEW.get(stage, stage)]):
             return e.device_time_total / 1e3 / e.count
     return float('nan')
+
+
+def use_candidate(stage, c):
+    """Puts candidate c of ``stage`` in place (TUNING, or FEW_PROGRAMS for the ``*_few``
+    stages); returns the function that puts the old entry back."""
+    table, key = (chunk_ops.FEW_PROGRAMS, FEW[stage]) if stage in FEW else (chunk_ops.TUNING, stage)
+    old = table[key]
+    table[key] = CANDIDATES[stage][c]
+
+    def restore():
+        table[key] = old
+    return restore
 
 
 def main():
@@ -108,19 +133,18 @@ def main():
     if unknown:
         raise SystemExit(f"--stages: unknown {unknown}; expected some of {', '.join(CANDIDATES)}")
     todo = [j for j in jobs() if j[0] in stages]
-    baseline = {k: dict(v) for k, v in chunk_ops.TUNING.items()}
 
     if args.compile_shard is not None:
         i, n = map(int, args.compile_shard.split('/'))
         for stage, c, shape in todo[i::n]:
-            chunk_ops.TUNING[stage] = CANDIDATES[stage][c]
+            restore = use_candidate(stage, c)
             try:
                 leaves, do = inputs(*shape)
                 step(leaves, do)
                 torch.cuda.synchronize()
             except Exception:  # noqa: BLE001  (reported by the timing pass)
                 pass
-            chunk_ops.TUNING[stage] = baseline[stage]
+            restore()
         return
 
     os.environ.setdefault('TRITON_CACHE_DIR', tempfile.mkdtemp(prefix='sweep_cache_'))
@@ -135,13 +159,13 @@ def main():
     print('| stage | (B, T, H, gate) | BK | BV | warps | stages | maxnreg | kernel ms |')
     print('| --- | --- | --- | --- | --- | --- | --- | --- |')
     for stage, c, shape in todo:
-        chunk_ops.TUNING[stage] = CANDIDATES[stage][c]
+        restore = use_candidate(stage, c)
         try:
             leaves, do = inputs(*shape)
             ms = f"{kernel_ms(stage, leaves, do):.3f}"
         except Exception as e:  # noqa: BLE001
             ms = f"error: {type(e).__name__}: {str(e)[:80]}".replace('\n', ' ')
-        chunk_ops.TUNING[stage] = baseline[stage]
+        restore()
         leaves = do = None
         torch.cuda.empty_cache()
         k = CANDIDATES[stage][c]
