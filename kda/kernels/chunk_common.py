@@ -142,13 +142,16 @@ DIAG_SPAN = tl.constexpr(60.0)
 @triton.jit
 def diag_reference(b_c, gc_base, gc_stride, i_x, L, col0, n_cols, BC: tl.constexpr, BK: tl.constexpr):
     """For diagonal sub-block ``i_x`` with cumulative decays ``b_c`` ``[BC, BK]``: the middle valid
-    row ``r``, the valid-row mask, and whether the factored form may be used (every valid row
-    within ``DIAG_SPAN`` of ``r``)."""
+    row ``r`` and the valid-row mask."""
     o_r = i_x * BC + tl.arange(0, BC)
     b_r = load_row(gc_base, tl.minimum(i_x * BC + BC // 2 - 1, L - 1), L, gc_stride, col0, n_cols, BK)
-    m_r = (o_r < L)[:, None]
-    ok = tl.max(tl.where(m_r, tl.abs(b_c - b_r[None, :]), 0.)) <= DIAG_SPAN
-    return b_r, m_r, ok
+    return b_r, (o_r < L)[:, None]
+
+
+@triton.jit
+def within_diag_span(b_c, b_r, m_r):
+    """Whether the factored form may be used: every valid row within ``DIAG_SPAN`` of ``r``."""
+    return tl.max(tl.where(m_r, tl.abs(b_c - b_r[None, :]), 0.)) <= DIAG_SPAN
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, diag_factors, diag_reference,
                                       exp_nonpos, load_row, load_rows, load_tile, mm, scale_rows,
-                                      store_tile)
+                                      store_tile, within_diag_span)
 from kda.kernels.gate import gate_bwd, log_decay_tile
 
 
@@ -88,9 +88,37 @@ def group_col_grads(b_pt1, b_pt2, b_q, b_k, b_c, q_base, k_base, gc_base, X, i_k
 
 
 @triton.jit
+def factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_k, b_c, b_r, m_r):
+    """Adds the diagonal block of ``pair_row_grads`` through its middle row r (float32 products;
+    ``chunk_common.diag_reference`` says when this is allowed and why float32). A factor reaches
+    exp(60), so dP enters with its rows scaled to max |.| = 1 and the scale is applied after
+    exp(c_i - r) has brought the product back to its true size: unscaled, gradients above ~3e12
+    overflowed (review: v * 1e16 gave inf dq where the element-wise path was finite)."""
+    b_up, b_dn = diag_factors(b_c, b_r, m_r)
+    b_kd = b_k * b_dn
+    b_p1, b_s1 = scale_rows(b_p1)
+    b_p2, b_s2 = scale_rows(b_p2)
+    b_d1 += (mm(b_p1, b_kd, tl.float32) * b_up) * b_s1[:, None]
+    b_d2 += (mm(b_p2, b_kd, tl.float32) * b_up) * b_s2[:, None]
+    return b_d1, b_d2
+
+
+@triton.jit
+def factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_c, b_r, m_r):
+    """Adds the diagonal block of ``pair_col_grads`` through its middle row r, as
+    ``factored_row_grads`` from the column side (``b_p*``: dP[X, X], transposed here)."""
+    b_up, b_dn = diag_factors(b_c, b_r, m_r)
+    b_p1, b_s1 = scale_rows(tl.trans(b_p1))
+    b_p2, b_s2 = scale_rows(tl.trans(b_p2))
+    b_d += ((mm(b_p1, b_q * b_up, tl.float32) * b_dn) * b_s1[:, None]
+            + (mm(b_p2, b_k * b_up, tl.float32) * b_dn) * b_s2[:, None])
+    return b_d
+
+
+@triton.jit
 def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
                    P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                   BK: tl.constexpr, BOUNDED_DECAY: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Row side of sub-block X: ``sum_{J <= X} dP[X, J] (k_J * exp(c_X - c_J))`` for both
     pair matrices (their column partner is k in both)."""
     b_d1 = tl.zeros([BC, BK], dtype=tl.float32)
@@ -105,24 +133,18 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_eX = exp_nonpos(b_cX - b_r[None, :])
         b_d1 += mm(b_p1, b_kJ, DOT_DTYPE) * b_eX
         b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
-    # Diagonal block (dP is zero above the diagonal): through the middle row r as float32 matrix
-    # products where the decay allows (chunk_common.diag_reference says why float32), else by
-    # 4-row groups (group_row_grads; the [BC, BC, BK] element-wise block it replaced held 255
-    # registers and 420 B of spills a thread in every program). Factored, a factor reaches
-    # exp(60), so dP enters with its rows scaled to max |.| = 1 and the scale is applied after
-    # exp(c_i - r) has brought the product back to its true size: unscaled, gradients above ~3e12
-    # overflowed (review: v * 1e16 gave inf dq where the element-wise path was finite).
+    # Diagonal block (dP is zero above the diagonal): through the middle row r where the decay
+    # allows (always with BOUNDED_DECAY: steps >= -5 keep every row within 40 of r; otherwise
+    # tested per block), else by 4-row groups (group_row_grads; the [BC, BC, BK] element-wise
+    # block it replaced held 255 registers and 420 B of spills a thread in every program).
     b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_kX = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
-    if ok:
-        b_up, b_dn = diag_factors(b_cX, b_r, m_r)
-        b_kd = b_kX * b_dn
-        b_p1, b_s1 = scale_rows(b_p1)
-        b_p2, b_s2 = scale_rows(b_p2)
-        b_d1 += (mm(b_p1, b_kd, tl.float32) * b_up) * b_s1[:, None]
-        b_d2 += (mm(b_p2, b_kd, tl.float32) * b_up) * b_s2[:, None]
+    b_r, m_r = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
+    if BOUNDED_DECAY:
+        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r)
+    elif within_diag_span(b_cX, b_r, m_r):
+        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r)
     else:
         b_g1, b_g2 = group_row_grads(b_p1, b_p2, b_kX, b_cX, k_base, gc_base, X, i_k, L, QK_STRIDE,
                                      GC_STRIDE, K, BC, BK)
@@ -134,7 +156,8 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
 @triton.jit
 def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
                    P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
-                   NC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                   NC: tl.constexpr, BK: tl.constexpr, BOUNDED_DECAY: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr):
     """Column side of sub-block X: ``sum_{I >= X} dP[I, X]^T (a_I * exp(c_I - c_X))`` with a = q
     for Aqk and a = k for A', summed."""
     b_d = tl.zeros([BC, BK], dtype=tl.float32)
@@ -154,13 +177,11 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
     b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
     b_q = load_tile(q_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
     b_k = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_r, m_r, ok = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
-    if ok:
-        b_up, b_dn = diag_factors(b_cX, b_r, m_r)
-        b_p1, b_s1 = scale_rows(tl.trans(b_p1))
-        b_p2, b_s2 = scale_rows(tl.trans(b_p2))
-        b_d += ((mm(b_p1, b_q * b_up, tl.float32) * b_dn) * b_s1[:, None]
-                + (mm(b_p2, b_k * b_up, tl.float32) * b_dn) * b_s2[:, None])
+    b_r, m_r = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
+    if BOUNDED_DECAY:
+        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r)
+    elif within_diag_span(b_cX, b_r, m_r):
+        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r)
     else:
         b_d += group_col_grads(tl.trans(b_p1), tl.trans(b_p2), b_q, b_k, b_cX, q_base, k_base, gc_base,
                                X, i_k, L, QK_STRIDE, GC_STRIDE, K, BC, BK)
@@ -273,12 +294,14 @@ def chunk_pair_bwd_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BOUNDED_DECAY: tl.constexpr, DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """The pair-matrix gradients of one ``[BC, BK]`` tile (sub-block X, key slice i_k) of a chunk,
     added to the dq, dk and dc that ``chunk_intra_bwd_kernel`` stored. One program per tile rather
     than a loop over tiles inside the chunk's program: the tiles are independent, and the chunk's
-    program ran them one after another at one program per SM (ptxas: 255 registers)."""
+    program ran them one after another at one program per SM (ptxas: 255 registers).
+    ``BOUNDED_DECAY``: every step's log-decay is >= -5 (the lower-bound gate), so the diagonal
+    blocks never need the 4-row fallback, which is then not compiled in."""
     tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -299,9 +322,9 @@ def chunk_pair_bwd_kernel(
     b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
     b_cX = load_tile(gc_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
     b_dq1, b_dk2 = pair_row_grads(dAqk + P_off, dAkk + P_off, k_base, gc_base, X, b_cX, i_k, L,
-                                  HV * BT, H * K, HV * K, K, BC, BK, DOT_DTYPE)
+                                  HV * BT, H * K, HV * K, K, BC, BK, BOUNDED_DECAY, DOT_DTYPE)
     b_dkc = pair_col_grads(dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X, b_cX, i_k, L,
-                           HV * BT, H * K, HV * K, K, BC, NC, BK, DOT_DTYPE)
+                           HV * BT, H * K, HV * K, K, BC, NC, BK, BOUNDED_DECAY, DOT_DTYPE)
     b_dqX = load_tile(dq_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dq1
     b_dkX = load_tile(dk_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dk2 + b_dkc
     b_dcX = (load_tile(dg_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
@@ -313,13 +336,14 @@ def chunk_pair_bwd_kernel(
 
 @triton.jit
 def chunk_gate_bwd_kernel(
-    g, A_log, dt_bias, dg, da, dbias,
+    g, A_log, dt_bias, dc, dg, da, dbias,
     cu_seqlens, chunk_indices,
     lower_bound, T, NT,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """``dg`` from ``dc`` (in place): ``c`` is the in-chunk cumulative sum of ``g``, so
+    """``dg`` (in g's dtype; ``dc`` itself when that is float32) from ``dc``: ``c`` is the
+    in-chunk cumulative sum of ``g``, so
     ``dg_i = sum_{j >= i} dc_j``; zero where the forward clamped ``g`` at the floor. With ``GATE``
     (``kernels/gate.py``), ``g`` is the raw gate: ``dg`` becomes its gradient, and this chunk's
     sums over its tokens of the ``dt_bias`` and ``A_log`` gradients go to ``dbias`` and ``da``
@@ -329,7 +353,7 @@ def chunk_gate_bwd_kernel(
     i_hv, i_k = i_hvk // NK, i_hvk % NK
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
     dg_base = dg + start * HV * K + i_hv * K
-    b_dc = load_tile(dg_base, 0, L, HV * K, i_k * BK, K, BT, BK)
+    b_dc = load_tile(dc + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
     b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
     # Rows past L hold dc = 0, so their dg is 0 too (up to rounding; not stored).
     b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc

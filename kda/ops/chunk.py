@@ -84,16 +84,24 @@ TUNING = {
     # H200 sweep at 3598f32, (8, 4096, 16): capped at 168 registers, 2.00 ms a call against 2.53
     # uncapped (3 programs an SM instead of 2); 1 stage 2.48 capped, 3.42 not; 32-wide >= 3.08.
     'pair_bwd': dict(BK=64, num_warps=4, num_stages=2, maxnreg=168),
+    # The same kernel compiled for the lower-bound gate (no diagonal fallback, chunk_intra_bwd.py):
+    # H200 sweep at 44fc14e + BOUNDED_DECAY, Kimi configuration at (8, 4096, 16): 1.729 ms a call
+    # capped at 128 against 1.878 at 168 (3 stages 1.850, 144: 1.926; the g-pre-computed build:
+    # 1.994 at 168, 2.019 at 128).
+    'pair_bwd_bounded': dict(BK=64, num_warps=4, num_stages=2, maxnreg=128),
     'gate_bwd': dict(BK=32, num_warps=4),
 }
 
 
 # The state sweeps run one program per (sequence, value head, value slice) through every chunk of
 # the sequence. Where that is fewer programs than SMs, the slice is halved for twice as many and
-# these settings apply on top (H200 sweeps at 2054ac8, (1, 32768, 32), the only such shape
-# benchmarked: carry 1.16 ms 32-wide against 1.21 ms 64-wide; gradient sweep 1.92 ms 32-wide
-# with 8 warps against 2.13 ms 64-wide with 8 warps and 2.44 ms with 4).
-FEW_PROGRAMS = {'state_fwd': {}, 'state_bwd': dict(num_warps=8)}
+# these settings apply on top (a BV here replaces the halved one). H200 sweeps at (1, 32768, 32),
+# the only such shape benchmarked, ms a call: at 2054ac8, carry 1.16 32-wide against 1.21
+# 64-wide, gradient sweep 1.92 32-wide with 8 warps against 2.13 64-wide and 2.44 with 4; at
+# 44fc14e (fifth session), carry 1.172 16-wide (4 warps) against 1.223 32-wide (16-wide with 8
+# warps 1.306, 2 warps 1.274), gradient sweep 1.618 with 3 stages against 1.711 with 2 (16-wide
+# 1.719 at 4 warps, 3.064 at 8).
+FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_bwd': dict(num_warps=8, num_stages=3)}
 
 
 @functools.cache
@@ -134,7 +142,8 @@ def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device)
     cfg = launch_config(stage, K, V)
     if sequence_heads * cdiv(V, cfg['BV']) < sm_count(device):
         cfg['BV'] = max(16, cfg['BV'] // 2)
-        cfg.update(FEW_PROGRAMS[stage])
+        cfg.update({n: x for n, x in FEW_PROGRAMS[stage].items() if x is not None})
+        cfg['BV'] = min(cfg['BV'], next_pow2(V))
     return cfg
 
 
@@ -178,11 +187,13 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     if matrices is not None:
         Aqk, Akk, Minv = matrices
     else:
-        # Aqk is only ever a matrix-product operand (output stage, gradient sweep), rounded to the
-        # input dtype there anyway: kept in it (A' and M, which the solve uses in float32, are not).
+        # Aqk and M are only ever matrix-product operands after the kernel that forms them (output
+        # stage and gradient sweep; W/U kernel and per-chunk gradients), rounded to the input
+        # dtype there anyway: kept in it, bit for bit the same results. A' is not: the solve and
+        # the beta gradient use it element by element in float32.
         Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
         Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
-        Minv = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
+        Minv = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
         chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
             q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
             DOT_DTYPE=common['DOT_DTYPE'],
@@ -225,7 +236,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     the forward's ``matrices`` = ``(Aqk, Akk, Minv)`` when given), sweeps
     the state gradient backwards, then forms every per-token gradient chunk by chunk.
     Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``, in float32 but ``dv`` (v's dtype)
-    (dq, dk summed over GVA groups; ``dg`` of the raw gate with ``gate``; the last two None
+    and ``dg`` (g's dtype) (dq, dk summed over GVA groups; ``dg`` of the raw gate with ``gate``; the last two None
     without the option). At the peak, held in float32 only what later passes still add to."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -264,20 +275,25 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
         dq, dk, dv, dbeta, dg, dAqk, dAkk, cu_seqlens, layout.indices, scale, T, layout.NT,
         **launch_config('intra_bwd', K, V), **common)
-    cfg = launch_config('pair_bwd', K, V)
+    # The lower-bound gate's steps are >= lower_bound >= -5 (validated).
+    bounded = gate is not None and gate.kind == 'sigmoid'
+    cfg = launch_config('pair_bwd_bounded' if bounded else 'pair_bwd', K, V)
     chunk_pair_bwd_kernel[(layout.total * (BT // BC), HV * cdiv(K, cfg['BK']))](
         q, k, gc, dAqk, dAkk, dq, dk, dg, cu_seqlens, layout.indices, T, layout.NT,
         H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'], IS_VARLEN=common['IS_VARLEN'],
-        **cfg)
+        BOUNDED_DECAY=bounded, **cfg)
     cfg = launch_config('gate_bwd', K, V)
     # Per-chunk sums of the A_log and dt_bias gradients (tokens of a chunk summed in the kernel).
     da = dbias = None
     if gate is not None:
         da = torch.empty(layout.total, HV, K, dtype=torch.float32, device=dev)
         dbias = torch.empty_like(da)
+    # dg in g's dtype straight from the kernel (a bf16 raw gate: no float32 -> bf16 pass after it,
+    # 0.4 GB of traffic at (8, 4096, 16)); in place when g is float32.
+    dc, dg = dg, (dg if g.dtype == torch.float32 else torch.empty_like(g))
     chunk_gate_bwd_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
-        g, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T,
-        NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
+        g, dc=dc, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices,
+        T=T, NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
         **gate_launch_args(gate), **cfg)
     dA_log = da.sum((0, 2)) if gate is not None and gate.A_log is not None else None
     ddt_bias = dbias.sum(0).view(HV * K) if gate is not None and gate.dt_bias is not None else None
