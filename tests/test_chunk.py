@@ -505,6 +505,65 @@ def test_launch_rules(monkeypatch, rule):
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
 
 
+# Shared memory per block on the H200 (sm_90, opt-in maximum: 227 KiB), as Triton reports it there.
+H200_SHARED_MEMORY = 232448
+
+# Compiles both state sweeps for sm_90 at every configuration state_launch_config can give them
+# (FEW_PROGRAMS or not, K = 128 / 256, float32 or 16-bit tiles; 16-bit dtypes share bf16's tile
+# sizes) and prints their shared memory. A separate process: under TRITON_INTERPRET=1 the kernels
+# are interpreted functions, which Triton cannot compile.
+SHARED_MEMORY_SCRIPT = """
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kda.ops.chunk as chunk_mod
+from kda.kernels.chunk_state import chunk_state_fwd_kernel
+from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
+flags = ('USE_INITIAL_STATE', 'STORE_FINAL_STATE', 'USE_FINAL_STATE_GRADIENT',
+         'STORE_INITIAL_STATE_GRADIENT', 'IS_VARLEN')
+absent = ('h0', 'ht', 'dht', 'dh0', 'cu_seqlens', 'chunk_offsets')
+out = []
+for few in (False, True):
+    chunk_mod.sm_count = lambda device, few=few: 10 ** 6 if few else 1
+    for dtype, ptr in ((torch.float32, '*fp32'), (torch.bfloat16, '*bf16')):
+        for K in (128, 256):
+            for stage, fn in (('state_fwd', chunk_state_fwd_kernel), ('state_bwd', chunk_state_bwd_kernel)):
+                cfg = chunk_mod.state_launch_config(stage, K, 128, 4, torch.device('cpu'), dtype)
+                cx = dict(H=4, HV=4, K=K, V=128, BT=64, BK=cfg['BK'], BV=cfg['BV'],
+                          DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], **{f: False for f in flags},
+                          **{a: None for a in absent})
+                cx = {n: x for n, x in cx.items() if n in fn.arg_names}
+                sig = {n: 'constexpr' if n in cx else
+                       'i32' if n in ('T', 'NT', 'stride_sk', 'stride_sv') else ptr for n in fn.arg_names}
+                src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): x for n, x in cx.items()})
+                options = {n: cfg[n] for n in ('num_warps', 'num_stages', 'maxnreg') if n in cfg}
+                k = triton.compile(src, target=GPUTarget('cuda', 90, 32), options=options)
+                out.append([stage, str(dtype), K, few, str(cfg), k.metadata.shared])
+print(json.dumps(out))
+"""
+
+
+def test_launch_shared_memory():
+    """Every launch configuration of the state sweeps fits the H200's shared memory, checked by
+    compiling for sm_90 without a GPU (no interpreter can see this: f056478 gave the gradient
+    sweep 3 stages with few programs, and float32 inputs then asked 256 KiB on the GPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {n: x for n, x in os.environ.items() if n != 'TRITON_INTERPRET'}
+    root = str(Path(__file__).resolve().parent.parent)
+    env['PYTHONPATH'] = os.pathsep.join([root] + [p for p in [env.get('PYTHONPATH')] if p])
+    run = subprocess.run([sys.executable, '-c', SHARED_MEMORY_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 16
+    too_big = [r for r in rows if r[-1] > H200_SHARED_MEMORY]
+    assert not too_big, f"over {H200_SHARED_MEMORY} B of shared memory: {too_big}"
+
+
 @requires_kernels
 def test_bounded_gate_float16():
     """float16 with the lower-bound gate saturated at -5 per step: the forward's factored diagonal

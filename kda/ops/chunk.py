@@ -126,24 +126,30 @@ def launch_config(stage: str, K: int, V: int) -> dict:
         # bf16; compute-sanitizer: invalid __shared__ reads of 512 bytes), an illegal-address
         # fault; the interpreter gives the right gradients there. Not understood, avoided.
         cfg['BK'] = cfg['BV'] = min(cfg['BK'], cfg['BV'])
-    if stage.startswith('state_'):
-        # The whole key dimension is one block. At K = 256 a pipelined chunk loop asked for
-        # 273 KiB of shared memory (the H200 has 227 KiB); one stage fits.
-        cfg['BK'] = next_pow2(K)
-        if cfg['BK'] > 128:
-            # Half the value slice keeps the [256, BV] float32 state within the registers.
-            cfg['num_stages'], cfg['BV'] = 1, min(cfg['BV'], 32)
     return cfg
 
 
-def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device) -> dict:
-    """``launch_config`` of a state sweep over ``sequence_heads`` (sequence, value head) pairs,
-    with FEW_PROGRAMS applied when they would leave SMs idle."""
+def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
+                        dtype: torch.dtype) -> dict:
+    """``launch_config`` of a state sweep over ``sequence_heads`` (sequence, value head) pairs of
+    ``dtype`` inputs, with FEW_PROGRAMS applied when they would leave SMs idle."""
     cfg = launch_config(stage, K, V)
     if sequence_heads * cdiv(V, cfg['BV']) < sm_count(device):
         cfg['BV'] = max(16, cfg['BV'] // 2)
         cfg.update({n: x for n, x in FEW_PROGRAMS[stage].items() if x is not None})
         cfg['BV'] = min(cfg['BV'], next_pow2(V))
+    # Shape rules last, so that no table entry above overrides them. The whole key dimension is
+    # one block. At K = 256 a pipelined chunk loop asked for 273 KiB of shared memory (the H200
+    # has 227 KiB); one stage fits, and half the value slice keeps the [256, BV] float32 state
+    # within the registers.
+    cfg['BK'] = next_pow2(K)
+    if cfg['BK'] > 128:
+        cfg['num_stages'], cfg['BV'] = 1, min(cfg['BV'], 32)
+    if dtype == torch.float32 and cfg.get('num_stages', 2) > 2:
+        # float32 tiles double the pipeline buffers: the gradient sweep at K = 128 with 3 stages
+        # asks 256 KiB (136 KiB with 2; triton 3.6 and 3.9 alike). Found by the GPU suite at
+        # f056478, where FEW_PROGRAMS gave it 3 stages; test_launch_shared_memory pins it.
+        cfg['num_stages'] = 2
     return cfg
 
 
@@ -206,7 +212,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     chunk_wu_kernel[(layout.total, HV)](k, v, beta, gc, Minv, w, u, **common, **chunks,
                                         **launch_config('wu', K, V))
 
-    blocks = state_launch_config('state_fwd', K, V, N * HV, dev)
+    blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt)
     h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     final_state = None
@@ -250,7 +256,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt = saved
     saved = None
 
-    blocks = state_launch_config('state_bwd', K, V, N * HV, dev)
+    blocks = state_launch_config('state_bwd', K, V, N * HV, dev, q.dtype)
     dh = torch.empty_like(h)
     # Read only as a matrix-product operand (rounded to the input dtype there): kept in that dtype.
     dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
@@ -282,6 +288,10 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         q, k, gc, dAqk, dAkk, dq, dk, dg, cu_seqlens, layout.indices, T, layout.NT,
         H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'], IS_VARLEN=common['IS_VARLEN'],
         BOUNDED_DECAY=bounded, **cfg)
+    # Read by no later kernel: freed before the gate kernel allocates (a bf16 raw gate's dg is a
+    # new tensor beside dc; with these alive, it raised the Kimi configuration's peak by 0.06 GiB
+    # at (8, 4096, 16) on the H200, f056478).
+    del dAqk, dAkk, gc, h, dh, v_new, dv_new
     cfg = launch_config('gate_bwd', K, V)
     # Per-chunk sums of the A_log and dt_bias gradients (tokens of a chunk summed in the kernel).
     da = dbias = None
