@@ -79,7 +79,7 @@ DECODE_H = 32
 PLOT_TOKENS = 32768
 PLOT_T = [2048, 4096, 8192, 16384, 32768]
 HEAD_DIM = 128
-PARTS = ('fwd', 'gate_fwd', 'fwdbwd', 'gate_fwdbwd', 'profile', 'decode', 'throughput')
+PARTS = ('fwd', 'gate_fwd', 'fwdbwd', 'gate_fwdbwd', 'profile', 'gate_profile', 'decode', 'throughput')
 
 
 def _err(e: BaseException) -> str:
@@ -442,10 +442,11 @@ def _decode_table(ours_fn, fla_mod, bench, quick):
     return _table(headers, rows)
 
 
-def _step_profile(chunk_fn, B=8, T=4096, H=16):
-    """GPU time per kernel of one forward + backward step of ours (torch.profiler)."""
+def _step_profile(chunk_fn, B=8, T=4096, H=16, gate=False):
+    """GPU time per kernel of one forward + backward step of ours (torch.profiler); ``gate``:
+    the Kimi configuration."""
     from torch.profiler import ProfilerActivity, profile
-    inp, opts = _chunk_inputs(B, T, H)
+    inp, opts = _chunk_inputs(B, T, H, gate=gate)
     leaves = {n: x.detach().requires_grad_() for n, x in inp.items()}
     do = torch.randn_like(inp['v'])
 
@@ -552,6 +553,8 @@ def gpu_main(args):
                         lambda: _chunk_table(chunk_impls, bench, args.quick, True, gate=True,
                                              fla_backward=not args.fla_forward_only)),
         'profile': ('## where one forward + backward step of ours spends GPU time', lambda: _step_profile(chunk)),
+        'gate_profile': ('## where one forward + backward step of ours spends GPU time, Kimi Linear gate config',
+                         lambda: _step_profile(chunk, gate=True)),
         'decode': (f'## fused_recurrent_kda decode step (T = 1, H = {DECODE_H}, K = V = 128, float32 state), us',
                    lambda: _decode_table(fused, fla_mod, bench, args.quick)),
         'throughput': ('## forward throughput, B * T = 32768, H = 32',

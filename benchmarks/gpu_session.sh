@@ -87,9 +87,9 @@ if [ "${BENCH_SECONDS:-300}" = 0 ]; then
     echo "total: $(( $(date +%s) - start )) s"
     exit 0
 fi
-ALL=fwd,gate_fwd,fwdbwd,gate_fwdbwd,profile,decode,throughput
+ALL=fwd,gate_fwd,fwdbwd,gate_fwdbwd,profile,gate_profile,decode,throughput
 if [ "$GPUS" -ge 2 ]; then
-    PARTS=(${PARTS0:-fwd,gate_fwd,decode} ${PARTS1:-profile,throughput,fwdbwd,gate_fwdbwd})
+    PARTS=(${PARTS0:-fwd,gate_fwd,decode} ${PARTS1:-profile,gate_profile,throughput,fwdbwd,gate_fwdbwd})
 else
     PARTS=($ALL)
 fi
