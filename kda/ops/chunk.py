@@ -242,8 +242,9 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     the forward's ``matrices`` = ``(Aqk, Akk, Minv)`` when given), sweeps
     the state gradient backwards, then forms every per-token gradient chunk by chunk.
     Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``, in float32 but ``dv`` (v's dtype)
-    and ``dg`` (g's dtype) (dq, dk summed over GVA groups; ``dg`` of the raw gate with ``gate``; the last two None
-    without the option). At the peak, held in float32 only what later passes still add to."""
+    and ``dg`` (g's dtype); dq, dk summed over GVA groups; ``dg`` of the raw gate with ``gate``;
+    the last two None without the option. At the peak, held in float32 only what later passes
+    still add to."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -359,7 +360,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             do.contiguous(), None if dht is None else dht.contiguous(), saved, gate, matrices)
         if ctx.qk_l2norm:
             dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype),
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta.to(beta.dtype),
                 dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None, None)
 
 
