@@ -16,7 +16,7 @@ from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, 
 from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
-from kda.kernels.chunk_output import chunk_output_fwd_kernel
+from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 
 def sig_for(fn, ptr_types, constexprs, ints=(), floats=(), nones=()):
     sig = {}
@@ -45,7 +45,7 @@ common = dict(H=16, HV=16, K=128, V=128, BT=64, DOT_DTYPE=tl.bfloat16, IS_VARLEN
 chunks = dict(ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices'))
 # name: (kernel, pointer dtypes, constexprs, other argument kinds, [(num_warps, num_stages, maxnreg)])
 KERNELS = {
-    'cumsum': (chunk_cumsum_kernel, dict(q=bf, k=bf, qt=bf, kbar=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='none', IS_VARLEN=False),
+    'cumsum': (chunk_cumsum_kernel, dict(q=bf, k=bf, qt=bf, kbar=bf, kg=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='none', IS_VARLEN=False),
                dict(floats=('scale', 'lower_bound'), ints=('T', 'NT'), nones=('cu_seqlens', 'chunk_indices', 'A_log', 'dt_bias')),
                [(4, 2, None)]),
     'cumsum_gate': (chunk_cumsum_kernel, dict(g=bf, q=bf, k=bf, qt=bf, kbar=bf), dict(H=16, HV=16, K=128, BT=64, BK=64, GATE='sigmoid', IS_VARLEN=False),
@@ -72,15 +72,17 @@ KERNELS = {
     'gate_bwd_gate': (chunk_gate_bwd_kernel, dict(g=bf, dg=bf), dict(HV=16, K=128, BT=64, BK=32, GATE='sigmoid', IS_VARLEN=False),
                       dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),
     'state_fwd': (chunk_state_fwd_kernel, dict(kbar=bf, w=bf, u=bf, h=bf, v_new=bf),
-                  dict(BK=128, BV=32, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, **common),
-                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0', 'ht')),
+                  dict(BK=128, BV=32, USE_INITIAL_STATE=False, **common),
+                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0')),
                   [(4, 2, None), (8, 2, None)]),
     'state_bwd': (chunk_state_bwd_kernel, dict(qt=bf, kbar=bf, w=bf, do=bf, dh=bf, Aqk=bf, dv_new=bf),
                   dict(BK=128, BV=64, USE_FINAL_STATE_GRADIENT=False, STORE_INITIAL_STATE_GRADIENT=False, **common),
                   dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'dht', 'dh0')),
                   [(4, 2, None), (8, 2, None)]),
-    'output': (chunk_output_fwd_kernel, dict(qt=bf, h=bf, v_new=bf, o=bf, Aqk=bf), dict(BK=64, BV=128, **common),
-               chunks, [(8, 3, None)]),
+    'state_output': (chunk_state_output_fwd_kernel, dict(qt=bf, kg=bf, kbar=bf, v=bf, beta=bf, Aqk=bf, Minv=bf, o=bf),
+                     dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False, **common),
+                     dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h', 'h0', 'ht')),
+                     [(4, 2, None), (8, 2, None), (4, 3, None)]),
 }
 for name in sys.argv[1:] or KERNELS:
     fn, ptrs, cx, kinds, launches = KERNELS[name]

@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT / 'benchmarks'))
 import bench  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
-FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd'}
+FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd', 'state_output_few': 'state_output'}
 KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
            'solve': 'chunk_solve_kernel', 'wu': 'chunk_wu_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
-           'output': 'chunk_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
+           'state_output': 'chunk_state_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
            'intra_bwd': 'chunk_intra_bwd_kernel', 'pair_bwd': 'chunk_pair_bwd_kernel',
            'pair_bwd_bounded': 'chunk_pair_bwd_kernel',
            'gate_bwd': 'chunk_gate_bwd_kernel'}
@@ -67,13 +67,16 @@ CANDIDATES = {
                   cfg(None, 64, 4, 3), cfg(None, 16, 4, 2)],
     'state_bwd': [cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 4, 2), cfg(None, 64, 8, 3),
                   cfg(None, 32, 8, 2)],
-    'output': [cfg(64, 128, 8, 3), cfg(64, 64, 4, 2), cfg(128, 64, 8, 2), cfg(64, 128, 8, 2),
-               cfg(128, 128, 8, 2)],
+    'state_output': [cfg(None, 64, 4, 2), cfg(None, 32, 4, 2), cfg(None, 64, 8, 2), cfg(None, 64, 4, 3),
+                     cfg(None, 128, 8, 2), cfg(None, 32, 4, 3), cfg(None, 64, 4, 1)],
+    'state_output_few': [cfg(None, 16, 4, 2), cfg(None, 32, 4, 2), cfg(None, 16, 2, 2), cfg(None, 16, 4, 3),
+                         cfg(None, 32, 8, 2)],
 }
 # (B, T, H, Kimi lower-bound gate)
 SHAPES = {stage: [(8, 4096, 16, False)] for stage in CANDIDATES}
 SHAPES['state_fwd'] = SHAPES['state_bwd'] = [(8, 4096, 16, False), (1, 32768, 32, False), (1, 8192, 96, False)]
-SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = [(1, 32768, 32, False)]
+SHAPES['state_output'] = [(8, 4096, 16, False), (1, 8192, 96, False)]
+SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = SHAPES['state_output_few'] = [(1, 32768, 32, False)]
 # The lower-bound gate compiles the pair gradients without their diagonal fallback.
 SHAPES['pair_bwd_bounded'] = [(8, 4096, 16, True)]
 

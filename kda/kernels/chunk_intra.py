@@ -17,10 +17,11 @@ step decays by more than -5 on average, or keys are huge); the others ("far", fl
 through the same reference-row scheme once more, on groups of 4 rows, with only the 4 x 4
 diagonal groups formed element by element.
 
-Four kernels, in order: ``chunk_cumsum_kernel`` (c; the in-kernel gate's activation too),
-``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a chunk),
-``chunk_solve_kernel`` (M) and ``chunk_wu_kernel`` (W, U), one program per chunk each. The
-backward keeps the forward's Aqk, A' and M and recomputes only c and W, U.
+Four kernels, in order: ``chunk_cumsum_kernel`` (c, decayed keys and queries; the in-kernel
+gate's activation too), ``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a
+chunk), ``chunk_solve_kernel`` (M) and ``chunk_wu_kernel`` (W, U), one program per chunk each. The
+forward's own state sweep applies M itself and needs no W, U; the backward keeps the forward's
+Aqk, A' and M and recomputes only c and W, U.
 """
 import triton
 import triton.language as tl
@@ -187,7 +188,7 @@ def beta_rows_block(K_base, beta_base, I: tl.constexpr, J: tl.constexpr, L, HV: 
 
 @triton.jit
 def chunk_cumsum_kernel(
-    g, A_log, dt_bias, q, k, gc, qt, kbar,
+    g, A_log, dt_bias, q, k, gc, qt, kbar, kg,
     cu_seqlens, chunk_indices,
     scale, lower_bound, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -197,7 +198,8 @@ def chunk_cumsum_kernel(
     chunk's end, ``kbar = k exp(c_last - c)``, and the decayed queries ``qt = scale q exp(c)``, which
     the state carry, its gradient sweep and the output stage read: formed here, they leave those
     one input-dtype tile per chunk to load instead of q or k, the float32 c and their exps
-    (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar). With ``GATE`` (see
+    (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar). ``kg = k exp(c)`` too unless
+    ``kg`` is None: the forward's fused sweep applies the WY transform to it. With ``GATE`` (see
     ``kernels/gate.py``) ``g`` is the raw gate, activated here. A positive log-decay breaks the
     contract (g <= 0) that the safe factorizations rely on: its key channel becomes NaN for the
     whole chunk, so this chunk's outputs and everything after are NaN rather than silently wrong."""
@@ -216,6 +218,9 @@ def chunk_cumsum_kernel(
     b_k = load_tile(k + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
     store_tile(kbar + start * HV * K + i_hv * K, b_k * exp_nonpos(b_last[None, :] - b_c), 0, L,
                HV * K, i_k * BK, K, BT, BK)
+    if kg is not None:
+        store_tile(kg + start * HV * K + i_hv * K, b_k * exp_nonpos(b_c), 0, L, HV * K, i_k * BK, K,
+                   BT, BK)
     b_q = load_tile(q + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
     store_tile(qt + start * HV * K + i_hv * K, b_q * exp_nonpos(b_c) * scale, 0, L, HV * K, i_k * BK,
                K, BT, BK)

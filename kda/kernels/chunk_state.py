@@ -1,13 +1,15 @@
-"""Chunk stage 2 (forward): the state carried from chunk to chunk.
+"""Chunk stage 2, the backward's recompute: the state carried from chunk to chunk, storing what
+the gradient stages read.
 
 For each chunk in order, with incoming state ``S`` (``[K, V]``) and the stage-1 outputs::
 
-    h_c = S                                              (kept for the output stage and backward)
-    dV  = U - W S                                        (the chunk's delta-rule corrections)
+    h_c = S                                              (kept for the backward)
+    dV  = U - W S                                        (the chunk's delta-rule corrections, kept)
     S   = Diag(exp(c_last)) S + Kbar^T dV                   (Kbar = k exp(c_last - c), from stage 1)
 
-One program owns a ``[K, BV]`` slice of one sequence's state for one value head and walks that
-sequence's chunks; the state stays in registers in float32.
+The forward itself runs the same sweep fused with the outputs and without W and U
+(``chunk_state_output.py``). One program owns a ``[K, BV]`` slice of one sequence's state for one
+value head and walks that sequence's chunks; the state stays in registers in float32.
 """
 import triton
 import triton.language as tl
@@ -19,14 +21,14 @@ from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, seque
 @triton.jit
 def chunk_state_fwd_kernel(
     kbar, w, u, gc,
-    h, v_new, h0, ht,
+    h, v_new, h0,
     cu_seqlens, chunk_offsets,
     T, NT,
     stride_sk, stride_sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
 ):
     # (sequence, head) on axis 0, which allows 2^31 - 1 programs; axis 1 stops at 65535.
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -49,6 +51,3 @@ def chunk_state_fwd_kernel(
         b_kbar = load_tile(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
         b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
         b_h = b_h * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_kbar), b_d, DOT_DTYPE)
-
-    if STORE_FINAL_STATE:
-        tl.store(ht + o_s, b_h, mask=m_s)

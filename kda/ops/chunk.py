@@ -1,11 +1,13 @@
 """``chunk_kda``: validation, the autograd Function and the launches of the chunk kernels.
 
-Forward: stage 1 (``kernels/chunk_intra.py``) builds each chunk's matrices, stage 2
-(``kernels/chunk_state.py``) carries the state across chunks, stage 3 (``kernels/chunk_output.py``)
-forms the outputs. Backward recomputes stages 1-2 from the saved inputs and the forward's in-chunk
-matrices Aqk, A' and M (``[B, T, HV, BT]`` each; nothing ``[.., K]``- or state-sized is kept
-between forward and backward unless ``disable_recompute=True``), then runs the state-gradient
-sweep (``kernels/chunk_state_bwd.py``) and the per-chunk gradient kernels
+Forward: stage 1 (``kernels/chunk_intra.py``: cumulative decay, decayed keys and queries, the
+in-chunk matrices and M), then one sweep over the chunks that carries the state and forms the
+outputs, applying M inside (``kernels/chunk_state_output.py``). Backward recomputes stage 1's
+per-token tensors from the saved inputs and keeps the forward's in-chunk matrices Aqk, A' and M
+(``[B, T, HV, BT]`` each; nothing ``[.., K]``- or state-sized is kept between forward and backward
+unless ``disable_recompute=True``); it forms W and U and carries the state again, storing every
+chunk's state (``kernels/chunk_state.py``), then runs the state-gradient sweep
+(``kernels/chunk_state_bwd.py``) and the per-chunk gradient kernels
 (``kernels/chunk_intra_bwd.py``). Launch configurations: ``TUNING`` below.
 """
 from __future__ import annotations
@@ -19,8 +21,8 @@ import triton.language as tl
 
 from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel, chunk_wu_kernel
 from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
-from kda.kernels.chunk_output import chunk_output_fwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
+from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import KernelGate, activate_beta, activate_gate
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
@@ -74,7 +76,8 @@ TUNING = {
     'solve': dict(num_warps=1),
     'wu': dict(BK=64, BV=64, num_warps=4, num_stages=3),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
-    'output': dict(BK=64, BV=128, num_warps=8, num_stages=3),
+    # Not yet swept on the H200 (first guess: the state carry's entry).
+    'state_output': dict(BV=64, num_warps=4, num_stages=2),
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
     # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
     'state_bwd': dict(BV=64, num_warps=4, num_stages=2),
@@ -101,7 +104,8 @@ TUNING = {
 # 44fc14e (fifth session), carry 1.172 16-wide (4 warps) against 1.223 32-wide (16-wide with 8
 # warps 1.306, 2 warps 1.274), gradient sweep 1.618 with 3 stages against 1.711 with 2 (16-wide
 # 1.719 at 4 warps, 3.064 at 8).
-FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_bwd': dict(num_warps=8, num_stages=3)}
+FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_output': dict(BV=16),
+                'state_bwd': dict(num_warps=8, num_stages=3)}
 
 
 @functools.cache
@@ -161,78 +165,112 @@ def gate_launch_args(gate: KernelGate | None) -> dict:
     return dict(A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, GATE=gate.kind)
 
 
+@dataclass
+class Stage1:
+    """Stage 1's per-token outputs: cumulative log-decay ``gc`` (float32), decayed queries ``qt``
+    and keys ``kbar`` and ``kg`` (None when not asked for), and the in-chunk matrices."""
+    gc: torch.Tensor
+    qt: torch.Tensor
+    kbar: torch.Tensor
+    kg: torch.Tensor | None
+    Aqk: torch.Tensor
+    Akk: torch.Tensor
+    Minv: torch.Tensor
+
+
+def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None,
+                 HV: int, matrices=None, with_kg: bool = True) -> Stage1:
+    """Cumulative decay and decayed keys / queries; with ``matrices`` (``(Aqk, Akk, Minv)`` of an
+    earlier call on the same inputs) the pair products and the solve are not run again.
+    ``gate``: ``g`` is the raw gate, activated in the first kernel."""
+    B, T, H, K = q.shape
+    BT = layout.BT
+    dev, dt = q.device, q.dtype
+    is_varlen = cu_seqlens is not None
+    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
+    gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    # Decayed keys and queries for the state sweeps and the outputs.
+    kbar, qt = (torch.empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(2))
+    kg = torch.empty(B, T, HV, K, dtype=dt, device=dev) if with_kg else None
+    cfg = launch_config('cumsum', K, K)
+    chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
+        g, q=q, k=k, gc=gc, qt=qt, kbar=kbar, kg=kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
+        IS_VARLEN=is_varlen, **gate_launch_args(gate), **chunks, **cfg)
+    if matrices is not None:
+        return Stage1(gc, qt, kbar, kg, *matrices)
+    # Aqk and M are only ever matrix-product operands after the kernel that forms them, rounded
+    # to the input dtype there anyway: kept in it, bit for bit the same results. A' is not: the
+    # solve and the beta gradient use it element by element in float32.
+    Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
+    Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
+    Minv = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
+    chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
+        q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
+        # float16's range ends at 65504: no factor >= 1 on its operands.
+        FACTORED_DIAG=dt != torch.float16, IS_VARLEN=is_varlen, **chunks,
+        **launch_config('pair_fwd', K, K))
+    chunk_solve_kernel[(layout.total, HV)](
+        beta, Akk, Minv, HV=HV, BT=BT, BC=BC, IS_VARLEN=is_varlen, **chunks,
+        **launch_config('solve', K, K))
+    return Stage1(gc, qt, kbar, kg, Aqk, Akk, Minv)
+
+
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
-                  need_output: bool = True, chunk_state_dtype: torch.dtype | None = None,
-                  matrices=None):
-    """Runs the three forward stages (the third only with ``need_output``); with ``matrices``
-    (``(Aqk, Akk, Minv)`` of an earlier call on the same inputs) stage 1 reuses them. Returns
-    ``(o, final_state, intermediates)`` where the intermediates are
-    ``(gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt)``. ``gate``: ``g`` is the raw gate, activated
-    in the first kernel. The per-chunk states ``h`` are kept in ``chunk_state_dtype`` (default:
-    the input dtype, which is what every later product rounds them to anyway; float32 for states
-    handed to the user)."""
+                  store_states: bool = False):
+    """The forward: stage 1, then the fused state sweep and outputs
+    (``kernels/chunk_state_output.py``). Returns ``(o, final_state, stage1, h)``: ``h`` the
+    float32 state entering every chunk with ``store_states``, else None."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BT = layout.BT
     dev, dt = q.device, q.dtype
-    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=cu_seqlens is not None)
-
-    gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
-    cfg = launch_config('cumsum', K, V)
-    # Decayed keys and queries for the state carry, its gradient sweep and the output stage.
-    kbar = torch.empty(B, T, HV, K, dtype=dt, device=dev)
-    qt = torch.empty(B, T, HV, K, dtype=dt, device=dev)
-    chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
-        g, q=q, k=k, gc=gc, qt=qt, kbar=kbar, scale=scale, H=H, HV=HV, K=K, BT=BT,
-        IS_VARLEN=common['IS_VARLEN'], **gate_launch_args(gate), **chunks, **cfg)
-    if matrices is not None:
-        Aqk, Akk, Minv = matrices
-    else:
-        # Aqk and M are only ever matrix-product operands after the kernel that forms them (output
-        # stage and gradient sweep; W/U kernel and per-chunk gradients), rounded to the input
-        # dtype there anyway: kept in it, bit for bit the same results. A' is not: the solve and
-        # the beta gradient use it element by element in float32.
-        Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
-        Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
-        Minv = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
-        chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
-            q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
-            DOT_DTYPE=common['DOT_DTYPE'],
-            # float16's range ends at 65504: no factor >= 1 on its operands.
-            FACTORED_DIAG=dt != torch.float16,
-            IS_VARLEN=common['IS_VARLEN'], **chunks, **launch_config('pair_fwd', K, V))
-        chunk_solve_kernel[(layout.total, HV)](
-            beta, Akk, Minv, HV=HV, BT=BT, BC=BC, IS_VARLEN=common['IS_VARLEN'], **chunks,
-            **launch_config('solve', K, V))
-    chunk_wu_kernel[(layout.total, HV)](k, v, beta, gc, Minv, w, u, **common, **chunks,
-                                        **launch_config('wu', K, V))
-
-    blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt)
-    h = torch.empty(layout.total, HV, K, V, dtype=chunk_state_dtype or dt, device=dev)
-    v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV)
+    blocks = state_launch_config('state_output', K, V, N * HV, dev, dt)
+    o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     final_state = None
     if output_final_state:
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         final_state = torch.empty(shape, dtype=torch.float32, device=dev)
-    chunk_state_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
-        kbar, w, u, gc, h, v_new, initial_state, final_state, cu_seqlens, layout.offsets, T, layout.NT,
-        *state_strides(K, V, state_v_first),
+    chunk_state_output_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
+        s1.qt, s1.kg, s1.kbar, v, beta, s1.gc, s1.Aqk, s1.Minv, o, h, initial_state, final_state,
+        cu_seqlens, layout.offsets, T, layout.NT, *state_strides(K, V, state_v_first),
+        H=H, HV=HV, K=K, V=V, BT=layout.BT, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=cu_seqlens is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        **blocks, **common)
+        STORE_STATES=store_states, **blocks)
+    return o, final_state, s1, h
 
-    intermediates = (gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt)
-    if not need_output:
-        return None, final_state, intermediates
-    o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    cfg = launch_config('output', K, V)
-    chunk_output_fwd_kernel[(layout.total, cdiv(V, cfg['BV']), HV)](
-        qt, h, v_new, Aqk, o, cu_seqlens, layout.indices, T, layout.NT, **cfg, **common)
-    return o, final_state, intermediates
+
+def chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
+                        layout: ChunkLayout, gate: KernelGate | None = None, matrices=None,
+                        stage1: Stage1 | None = None):
+    """What the backward reads of the forward, by the staged algorithm (W and U formed, then the
+    state carry storing every chunk's incoming state ``h`` and corrections ``v_new = U - W h``):
+    ``(gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt)``. From ``stage1`` when given, else stage 1
+    runs again (reusing ``matrices``)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    dev, dt = q.device, q.dtype
+    s1 = stage1 or chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices,
+                                with_kg=False)
+    common = dict(H=H, HV=HV, K=K, V=V, BT=layout.BT, DOT_DTYPE=DOT_DTYPES[dt],
+                  IS_VARLEN=cu_seqlens is not None)
+    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
+    w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
+    u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    chunk_wu_kernel[(layout.total, HV)](k, v, beta, s1.gc, s1.Minv, w, u, **common, **chunks,
+                                        **launch_config('wu', K, V))
+    blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt)
+    # In the input dtype: every later product rounds them to it anyway.
+    h = torch.empty(layout.total, HV, K, V, dtype=dt, device=dev)
+    v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    chunk_state_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
+        s1.kbar, w, u, s1.gc, h, v_new, initial_state, cu_seqlens, layout.offsets, T, layout.NT,
+        *state_strides(K, V, state_v_first), USE_INITIAL_STATE=initial_state is not None,
+        **blocks, **common)
+    return s1.gc, s1.Aqk, s1.Akk, s1.Minv, w, u, h, v_new, s1.kbar, s1.qt
 
 
 def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
@@ -252,8 +290,8 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dev = q.device
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
     if saved is None:
-        _, _, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, False, state_v_first,
-                                    cu_seqlens, layout, gate, need_output=False, matrices=matrices)
+        saved = chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first,
+                                    cu_seqlens, layout, gate, matrices)
     gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt = saved
     saved = None
 
@@ -331,17 +369,25 @@ class ChunkKDAFunction(torch.autograd.Function):
         if qk_l2norm:
             (qn, rq), (kn, rk) = l2norm_fwd(q), l2norm_fwd(k)
         gate = None if gate_kind is None else KernelGate(gate_kind, A_log, dt_bias, lower_bound)
-        o, final_state, saved = chunk_kda_fwd(qn, kn, v, g, beta, scale, initial_state,
+        o, final_state, s1, _ = chunk_kda_fwd(qn, kn, v, g, beta, scale, initial_state,
                                               output_final_state, state_v_first, cu_seqlens, layout,
                                               gate)
         # Kept either way: the in-chunk matrices, [B, T, HV, BT] each (at BT = 64, K = V = 128,
         # bf16 with g in float32: half the bytes of q, k, v and g), which spare the backward's
         # recompute the pair products and the solve (H200, (8, 4096, 16), at 3598f32: 0.60 and
         # 0.69 ms of its 1.9 ms); it forms W and U from M instead.
-        Aqk, Akk, Minv = saved[1:4]
+        Aqk, Akk, Minv = s1.Aqk, s1.Akk, s1.Minv
         ctx.save_for_backward(q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                               Aqk, Akk, Minv)
-        ctx.saved_intermediates = saved if disable_recompute else None
+        # disable_recompute: the backward's recompute runs here instead, on this call's stage 1
+        # (the forward's own sweep never forms W, U or the corrections), so the gradients are the
+        # same bits either way and the backward skips one stage-1 pass.
+        ctx.saved_intermediates = None
+        if disable_recompute:
+            ctx.saved_intermediates = chunk_kda_recompute(
+                qn, kn, v, g, beta, scale, initial_state, state_v_first, cu_seqlens, layout, gate,
+                stage1=s1)
+        s1 = None
         ctx.scale, ctx.state_v_first, ctx.layout = scale, state_v_first, layout
         ctx.qk_l2norm, ctx.gate_kind, ctx.lower_bound = qk_l2norm, gate_kind, lower_bound
         return o, final_state
@@ -432,16 +478,14 @@ def chunk_kda(
     # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
     gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
     if return_intermediate_states or not needs_grad:
-        # Inference: nothing is kept for a backward. States handed to the user stay float32.
+        # Inference: nothing is kept for a backward.
         if use_qk_l2norm_in_kernel:
             q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
-        o, final_state, saved = chunk_kda_fwd(
+        o, final_state, _, h = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
-            cu_seqlens, layout, gate,
-            chunk_state_dtype=torch.float32 if return_intermediate_states else None)
+            cu_seqlens, layout, gate, store_states=return_intermediate_states)
         if not return_intermediate_states:
             return o, final_state
-        h = saved[6]
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, problem.scale, initial_state,
