@@ -76,8 +76,10 @@ TUNING = {
     'solve': dict(num_warps=1),
     'wu': dict(BK=64, BV=64, num_warps=4, num_stages=3),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
-    # Not yet swept on the H200 (first guess: the state carry's entry).
-    'state_output': dict(BV=64, num_warps=4, num_stages=2),
+    # H200 sweep at e525316, (8, 4096, 16) / (1, 8192, 96), ms a call: 0.418 / 0.791 with 1 stage
+    # against 0.539 / 1.073 with 2 and 0.682 / 1.332 with 3; 32-wide 0.546 / 1.184, 8 warps
+    # 0.692 / 1.351 (2 stages). The W/U kernel, carry and output kernel it replaces took 0.75.
+    'state_output': dict(BV=64, num_warps=4, num_stages=1),
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
     # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
     'state_bwd': dict(BV=64, num_warps=4, num_stages=2),
@@ -104,7 +106,10 @@ TUNING = {
 # 44fc14e (fifth session), carry 1.172 16-wide (4 warps) against 1.223 32-wide (16-wide with 8
 # warps 1.306, 2 warps 1.274), gradient sweep 1.618 with 3 stages against 1.711 with 2 (16-wide
 # 1.719 at 4 warps, 3.064 at 8).
-FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_output': dict(BV=16),
+# The fused forward sweep with few programs, H200 at e525316, (1, 32768, 32), ms a call: 1.798
+# 16-wide with 2 stages against 2.382 with 1 (32-wide: 1.818 with 2 stages, 2.294 with 1; 16-wide
+# with 3 stages 3.286, with 2 warps 2.468).
+FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_output': dict(BV=16, num_stages=2),
                 'state_bwd': dict(num_warps=8, num_stages=3)}
 
 
