@@ -12,7 +12,7 @@ import subprocess, sys, re, os, tempfile
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel, chunk_wu_kernel
+from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
 from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
@@ -58,8 +58,6 @@ KERNELS = {
                       dict(floats=('scale',), **chunks), [(2, 2, None)]),
     'solve': (chunk_solve_kernel, dict(beta=bf), dict(HV=16, BT=64, BC=16, IS_VARLEN=False), chunks,
               [(2, 2, None), (1, 2, None), (4, 2, None)]),
-    'wu': (chunk_wu_kernel, dict(k=bf, v=bf, w=bf, u=bf, beta=bf), dict(BK=64, BV=64, **common), chunks,
-           [(4, 2, None), (4, 3, None)]),
     'intra_bwd': (chunk_intra_bwd_kernel, dict(q=bf, k=bf, v=bf, beta=bf, h=bf, v_new=bf, do=bf, dh=bf, dv_new=bf, dv=bf),
                   dict(BK=32, BV=32, **common), dict(floats=('scale',), **chunks), [(4, 1, None), (8, 1, None)]),
     'pair_bwd': (chunk_pair_bwd_kernel, dict(q=bf, k=bf), dict(BC=16, BK=64, BOUNDED_DECAY=False, **{k: v for k, v in common.items() if k != 'V'}),
@@ -71,11 +69,11 @@ KERNELS = {
                  [(4, 2, None)]),
     'gate_bwd_gate': (chunk_gate_bwd_kernel, dict(g=bf, dg=bf), dict(HV=16, K=128, BT=64, BK=32, GATE='sigmoid', IS_VARLEN=False),
                       dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),
-    'state_fwd': (chunk_state_fwd_kernel, dict(kbar=bf, w=bf, u=bf, h=bf, v_new=bf),
+    'state_fwd': (chunk_state_fwd_kernel, dict(kg=bf, kbar=bf, v=bf, beta=bf, Minv=bf, h=bf, v_new=bf),
                   dict(BK=128, BV=32, USE_INITIAL_STATE=False, **common),
                   dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0')),
                   [(4, 2, None), (8, 2, None)]),
-    'state_bwd': (chunk_state_bwd_kernel, dict(qt=bf, kbar=bf, w=bf, do=bf, dh=bf, Aqk=bf, dv_new=bf),
+    'state_bwd': (chunk_state_bwd_kernel, dict(qt=bf, kbar=bf, kg=bf, beta=bf, Minv=bf, do=bf, dh=bf, Aqk=bf, dv_new=bf),
                   dict(BK=128, BV=64, USE_FINAL_STATE_GRADIENT=False, STORE_INITIAL_STATE_GRADIENT=False, **common),
                   dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'dht', 'dh0')),
                   [(4, 2, None), (8, 2, None)]),

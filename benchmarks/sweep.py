@@ -33,7 +33,7 @@ from kda.ops import chunk as chunk_ops  # noqa: E402
 
 FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd', 'state_output_few': 'state_output'}
 KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
-           'solve': 'chunk_solve_kernel', 'wu': 'chunk_wu_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
+           'solve': 'chunk_solve_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
            'state_output': 'chunk_state_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
            'intra_bwd': 'chunk_intra_bwd_kernel', 'pair_bwd': 'chunk_pair_bwd_kernel',
            'pair_bwd_bounded': 'chunk_pair_bwd_kernel',
@@ -49,7 +49,6 @@ CANDIDATES = {
     'pair_fwd': [cfg(32, None, 2, 2), cfg(32, None, 2, 2, 128), cfg(32, None, 2, 3, 128), cfg(64, None, 4, 2, 128),
                  cfg(32, None, 4, 2, 128)],
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
-    'wu': [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 128, 8, 2), cfg(64, 64, 4, 3, 128)],
     # Square tiles only (kda.ops.chunk.launch_config says why).
     'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 4, 1, 168), cfg(32, 32, 4, 1, 192), cfg(32, 32, 4, 1, 208),
                   cfg(32, 32, 4, 2, 168), cfg(32, 32, 4, 1, 128)],

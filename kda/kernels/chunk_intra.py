@@ -1,12 +1,11 @@
-"""Chunk stage 1 (forward): in-chunk decay, the key-key and query-key matrices, the triangular
-solve, and the WY-transformed keys and values.
+"""Chunk stage 1 (forward): in-chunk decay, the decayed keys and queries, the key-key and
+query-key matrices, and the triangular solve.
 
 For one chunk and value head, with ``c_i = g_1 + ... + g_i`` (in-chunk cumulative log-decay)::
 
     A'[i, j]  = sum_d k_id k_jd exp(c_id - c_jd)                 j < i,   A = diag(beta) A'
     Aqk[i, j] = scale sum_d q_id k_jd exp(c_id - c_jd)           j <= i
     M = (I + A)^-1                                                unit lower triangular
-    W = M diag(beta) (k * exp(c)),    U = M diag(beta) v
 
 The exponents ``c_i - c_j`` are never split into ``exp(c_i) * exp(-c_j)`` over a whole chunk, which
 overflows once a chunk's decay passes float32's range. The chunk is cut into ``BC``-row
@@ -17,11 +16,11 @@ step decays by more than -5 on average, or keys are huge); the others ("far", fl
 through the same reference-row scheme once more, on groups of 4 rows, with only the 4 x 4
 diagonal groups formed element by element.
 
-Four kernels, in order: ``chunk_cumsum_kernel`` (c, decayed keys and queries; the in-kernel
+Three kernels, in order: ``chunk_cumsum_kernel`` (c, decayed keys and queries; the in-kernel
 gate's activation too), ``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a
-chunk), ``chunk_solve_kernel`` (M) and ``chunk_wu_kernel`` (W, U), one program per chunk each. The
-forward's own state sweep applies M itself and needs no W, U; the backward keeps the forward's
-Aqk, A' and M and recomputes only c and W, U.
+chunk) and ``chunk_solve_kernel`` (M, one program per chunk). The WY form's W = M diag(beta) Kg and
+U = M diag(beta) v are never formed: the state sweeps apply M themselves (``chunk_state.py``). The
+backward keeps the forward's Aqk, A' and M and recomputes only the cumsum kernel's tensors.
 """
 import triton
 import triton.language as tl
@@ -198,8 +197,8 @@ def chunk_cumsum_kernel(
     chunk's end, ``kbar = k exp(c_last - c)``, and the decayed queries ``qt = scale q exp(c)``, which
     the state carry, its gradient sweep and the output stage read: formed here, they leave those
     one input-dtype tile per chunk to load instead of q or k, the float32 c and their exps
-    (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar). ``kg = k exp(c)`` too unless
-    ``kg`` is None: the forward's fused sweep applies the WY transform to it. With ``GATE`` (see
+    (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar), and ``kg = k exp(c)``, which
+    the state sweeps apply the WY transform to. With ``GATE`` (see
     ``kernels/gate.py``) ``g`` is the raw gate, activated here. A positive log-decay breaks the
     contract (g <= 0) that the safe factorizations rely on: its key channel becomes NaN for the
     whole chunk, so this chunk's outputs and everything after are NaN rather than silently wrong."""
@@ -218,9 +217,8 @@ def chunk_cumsum_kernel(
     b_k = load_tile(k + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
     store_tile(kbar + start * HV * K + i_hv * K, b_k * exp_nonpos(b_last[None, :] - b_c), 0, L,
                HV * K, i_k * BK, K, BT, BK)
-    if kg is not None:
-        store_tile(kg + start * HV * K + i_hv * K, b_k * exp_nonpos(b_c), 0, L, HV * K, i_k * BK, K,
-                   BT, BK)
+    store_tile(kg + start * HV * K + i_hv * K, b_k * exp_nonpos(b_c), 0, L, HV * K, i_k * BK, K, BT,
+               BK)
     b_q = load_tile(q + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
     store_tile(qt + start * HV * K + i_hv * K, b_q * exp_nonpos(b_c) * scale, 0, L, HV * K, i_k * BK,
                K, BT, BK)
@@ -271,8 +269,7 @@ def chunk_solve_kernel(
     T, NT,
     HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """``M = (I + diag(beta) A')^-1`` of one chunk and value head (``chunk_wu_kernel`` then forms
-    W and U from it)."""
+    """``M = (I + diag(beta) A')^-1`` of one chunk and value head."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
     K_base = Akk + start * HV * BT + i_hv * BT
@@ -319,37 +316,3 @@ def chunk_solve_kernel(
     store_tile(M_base, b_M11, 0, L, HV * BT, 0, BT, BC, BC)
     store_tile(M_base, b_M21, BC, L, HV * BT, 0, BT, BC, BC)
     store_tile(M_base, b_M22, BC, L, HV * BT, BC, BT, BC, BC)
-
-
-@triton.jit
-def chunk_wu_kernel(
-    k, v, beta, gc, Minv, w, u,
-    cu_seqlens, chunk_indices,
-    T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """``W = M diag(beta) (k * exp(c))`` and ``U = M diag(beta) v`` of one chunk and value head
-    from its stored ``M`` (entries above the diagonal are never written: selected out). A kernel
-    of its own rather than the solve's tail: the backward's recompute runs it alone on the
-    forward's ``M``, and the solve runs faster with fewer warps than these products want (H200,
-    (8, 4096, 16), at 3598f32: the solve with W and U took 0.58 ms a call at 2 warps, 0.68 at 4;
-    W and U alone 0.26 at 4)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    b_beta = tl.load(beta + (start + o_t) * HV + i_hv, mask=o_t < L, other=0.).to(tl.float32)
-    b_M = load_tile(Minv + start * HV * BT + i_hv * BT, 0, L, HV * BT, 0, BT, BT, BT)
-    b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
-    for i_k in range(tl.cdiv(K, BK)):
-        b_k = load_tile(k + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
-        b_c = load_tile(gc + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
-        b_x = b_k * exp_nonpos(b_c) * b_beta[:, None]
-        store_tile(w + start * HV * K + i_hv * K, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * K, i_k * BK, K,
-                   BT, BK)
-    for i_v in range(tl.cdiv(V, BV)):
-        b_x = load_tile(v + start * HV * V + i_hv * V, 0, L, HV * V, i_v * BV, V, BT, BV) * b_beta[:, None]
-        store_tile(u + start * HV * V + i_hv * V, mm(b_M, b_x, DOT_DTYPE), 0, L, HV * V, i_v * BV, V,
-                   BT, BV)

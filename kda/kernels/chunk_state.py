@@ -1,13 +1,16 @@
-"""Chunk stage 2, the backward's recompute: the state carried from chunk to chunk, storing what
-the gradient stages read.
+"""Chunk stage 2: the state carried from chunk to chunk, with the WY transform applied inside.
 
-For each chunk in order, with incoming state ``S`` (``[K, V]``) and the stage-1 outputs::
+For each chunk in order, with incoming state ``S`` (``[K, V]``), ``M = (I + diag(beta) A')^-1``
+and the decayed keys ``Kg = k exp(c)``, ``Kbar = k exp(c_last - c)`` from stage 1::
 
-    h_c = S                                              (kept for the backward)
-    dV  = U - W S                                        (the chunk's delta-rule corrections, kept)
-    S   = Diag(exp(c_last)) S + Kbar^T dV                   (Kbar = k exp(c_last - c), from stage 1)
+    dV = M diag(beta) (V - Kg S)                 the chunk's delta-rule corrections (U - W S with
+                                                 the WY form's W = M diag(beta) Kg, U = M diag(beta) V)
+    S  = Diag(exp(c_last)) S + Kbar^T dV
 
-The forward itself runs the same sweep fused with the outputs and without W and U
+W and U are never formed: applying M inside costs one more ``[BT, BT] x [BT, BV]`` product a chunk
+and spares a kernel that wrote them and the sweeps that read them back.
+``chunk_state_fwd_kernel`` is the backward's recompute: it stores every chunk's incoming state and
+corrections for the gradient stages. The forward runs the same steps fused with the outputs
 (``chunk_state_output.py``). One program owns a ``[K, BV]`` slice of one sequence's state for one
 value head and walks that sequence's chunks; the state stays in registers in float32.
 """
@@ -19,8 +22,32 @@ from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, seque
 
 
 @triton.jit
+def chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr):
+    """``dV = M diag(beta) (V - Kg S)`` ``[BT, BV]`` of the chunk at ``row0`` (``n`` valid rows),
+    value slice ``i_v``; ``M``'s entries above the diagonal are never written: selected out."""
+    o_t = tl.arange(0, BT)
+    b_kg = load_tile(kg + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+    b_v = load_tile(v + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
+    b_beta = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=o_t < n, other=0.).to(tl.float32)
+    b_M = load_tile(Minv + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
+    b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
+    return mm(b_M, (b_v - mm(b_kg, b_h, DOT_DTYPE)) * b_beta[:, None], DOT_DTYPE)
+
+
+@triton.jit
+def carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV: tl.constexpr, K: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """``Diag(exp(c_last)) S + Kbar^T dV``: the state after the chunk at ``row0``."""
+    b_kbar = load_tile(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+    b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
+    return b_h * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_kbar), b_d, DOT_DTYPE)
+
+
+@triton.jit
 def chunk_state_fwd_kernel(
-    kbar, w, u, gc,
+    kg, kbar, v, beta, gc, Minv,
     h, v_new, h0,
     cu_seqlens, chunk_offsets,
     T, NT,
@@ -44,10 +71,7 @@ def chunk_state_fwd_kernel(
         row0 = bos + i_t * BT
         n = tl.minimum(L - i_t * BT, BT)
         store_tile(h + ((c0 + i_t) * HV + i_hv) * K * V, b_h, 0, K, V, i_v * BV, V, BK, BV)
-        b_w = load_tile(w + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_u = load_tile(u + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
-        b_d = b_u - mm(b_w, b_h, DOT_DTYPE)
+        b_d = chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV, K, V, BT, BK, BV,
+                                DOT_DTYPE)
         store_tile(v_new + row0 * HV * V + i_hv * V, b_d, 0, n, HV * V, i_v * BV, V, BT, BV)
-        b_kbar = load_tile(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
-        b_h = b_h * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_kbar), b_d, DOT_DTYPE)
+        b_h = carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV, K, BT, BK, DOT_DTYPE)

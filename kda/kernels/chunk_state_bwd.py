@@ -1,13 +1,15 @@
 """Chunk stage 2 (backward): the state gradient, swept from the last chunk to the first.
 
 With ``dS`` the gradient of the state after chunk c (the final-state gradient for the last chunk)
-and the forward's ``O = Qt h_c + Aqk dV``, ``dV = U - W h_c``,
-``S' = Diag(exp(c_last)) h_c + Kbar^T dV`` (``Qt = scale q exp(c)``, ``Kbar = k exp(c_last - c)``,
-both from stage 1)::
+and the forward's ``O = Qt h_c + Aqk dV``, ``dV = M diag(beta) (V - Kg h_c)``,
+``S' = Diag(exp(c_last)) h_c + Kbar^T dV`` (``Qt = scale q exp(c)``, ``Kg = k exp(c)``,
+``Kbar = k exp(c_last - c)``, from stage 1)::
 
     dh_c  = dS                                           (kept for the per-chunk gradient stage)
     d(dV) = Aqk^T dO + Kbar dS
-    dS    = Diag(exp(c_last)) dS + Qt^T dO - W^T d(dV)
+    dS    = Diag(exp(c_last)) dS + Qt^T dO - Kg^T diag(beta) M^T d(dV)
+
+(the last term is the WY form's ``W^T d(dV)``, ``W = M diag(beta) Kg``, never formed).
 
 The last ``dS`` is the gradient of the initial state.
 """
@@ -20,7 +22,7 @@ from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, seque
 
 @triton.jit
 def chunk_state_bwd_kernel(
-    qt, kbar, w, gc, Aqk, do,
+    qt, kbar, kg, beta, gc, Aqk, Minv, do,
     dh, dv_new, dht, dh0,
     cu_seqlens, chunk_offsets,
     T, NT,
@@ -53,9 +55,13 @@ def chunk_state_bwd_kernel(
         b_ddv = mm(tl.trans(b_A), b_do, DOT_DTYPE) + mm(b_kbar, b_dh, DOT_DTYPE)
         store_tile(dv_new + row0 * HV * V + i_hv * V, b_ddv, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_qt = load_tile(qt + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_w = load_tile(w + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+        b_kg = load_tile(kg + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+        b_beta = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=o_t < n, other=0.).to(tl.float32)
+        b_M = load_tile(Minv + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
+        b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
+        b_x = mm(tl.trans(b_M), b_ddv, DOT_DTYPE) * b_beta[:, None]
         b_dh = (b_dh * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_qt), b_do, DOT_DTYPE)
-                - mm(tl.trans(b_w), b_ddv, DOT_DTYPE))
+                - mm(tl.trans(b_kg), b_x, DOT_DTYPE))
 
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + o_s, b_dh, mask=m_s)

@@ -5,8 +5,8 @@ in-chunk matrices and M), then one sweep over the chunks that carries the state 
 outputs, applying M inside (``kernels/chunk_state_output.py``). Backward recomputes stage 1's
 per-token tensors from the saved inputs and keeps the forward's in-chunk matrices Aqk, A' and M
 (``[B, T, HV, BT]`` each; nothing ``[.., K]``- or state-sized is kept between forward and backward
-unless ``disable_recompute=True``); it forms W and U and carries the state again, storing every
-chunk's state (``kernels/chunk_state.py``), then runs the state-gradient sweep
+unless ``disable_recompute=True``); it carries the state again, storing every chunk's state and
+corrections (``kernels/chunk_state.py``), then runs the state-gradient sweep
 (``kernels/chunk_state_bwd.py``) and the per-chunk gradient kernels
 (``kernels/chunk_intra_bwd.py``). Launch configurations: ``TUNING`` below.
 """
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel, chunk_wu_kernel
+from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
 from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
@@ -70,11 +70,9 @@ TUNING = {
     # registers a thread so more programs fit an SM. cumsum: 0.308 capped at 96 (0.322 not, 0.407
     # at 64). pair_fwd: 0.530 at 128 and 3 stages (0.600 uncapped, 2 stages; 4 warps >= 0.81).
     # solve: 0.138 at 1 warp (0.308 at 2, 0.417 at 4: its [16, 16] blocks fill one warp).
-    # wu: 0.250 at 3 stages (0.260 at 2).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=2, num_stages=3, maxnreg=128),
     'solve': dict(num_warps=1),
-    'wu': dict(BK=64, BV=64, num_warps=4, num_stages=3),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
     # H200 sweep at e525316, (8, 4096, 16) / (1, 8192, 96), ms a call: 0.418 / 0.791 with 1 stage
     # against 0.539 / 1.073 with 2 and 0.682 / 1.332 with 3; 32-wide 0.546 / 1.184, 8 warps
@@ -173,18 +171,18 @@ def gate_launch_args(gate: KernelGate | None) -> dict:
 @dataclass
 class Stage1:
     """Stage 1's per-token outputs: cumulative log-decay ``gc`` (float32), decayed queries ``qt``
-    and keys ``kbar`` and ``kg`` (None when not asked for), and the in-chunk matrices."""
+    and keys ``kbar``, ``kg``, and the in-chunk matrices."""
     gc: torch.Tensor
     qt: torch.Tensor
     kbar: torch.Tensor
-    kg: torch.Tensor | None
+    kg: torch.Tensor
     Aqk: torch.Tensor
     Akk: torch.Tensor
     Minv: torch.Tensor
 
 
 def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None,
-                 HV: int, matrices=None, with_kg: bool = True) -> Stage1:
+                 HV: int, matrices=None) -> Stage1:
     """Cumulative decay and decayed keys / queries; with ``matrices`` (``(Aqk, Akk, Minv)`` of an
     earlier call on the same inputs) the pair products and the solve are not run again.
     ``gate``: ``g`` is the raw gate, activated in the first kernel."""
@@ -195,8 +193,7 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
     gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     # Decayed keys and queries for the state sweeps and the outputs.
-    kbar, qt = (torch.empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(2))
-    kg = torch.empty(B, T, HV, K, dtype=dt, device=dev) if with_kg else None
+    kbar, qt, kg = (torch.empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
     cfg = launch_config('cumsum', K, K)
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=gc, qt=qt, kbar=kbar, kg=kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
@@ -250,32 +247,25 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 def chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
                         layout: ChunkLayout, gate: KernelGate | None = None, matrices=None,
                         stage1: Stage1 | None = None):
-    """What the backward reads of the forward, by the staged algorithm (W and U formed, then the
-    state carry storing every chunk's incoming state ``h`` and corrections ``v_new = U - W h``):
-    ``(gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt)``. From ``stage1`` when given, else stage 1
+    """What the backward reads of the forward: stage 1's tensors and the state carry's, every
+    chunk's incoming state ``h`` and corrections ``v_new`` (``kernels/chunk_state.py``):
+    ``(gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt)``. From ``stage1`` when given, else stage 1
     runs again (reusing ``matrices``)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev, dt = q.device, q.dtype
-    s1 = stage1 or chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices,
-                                with_kg=False)
-    common = dict(H=H, HV=HV, K=K, V=V, BT=layout.BT, DOT_DTYPE=DOT_DTYPES[dt],
-                  IS_VARLEN=cu_seqlens is not None)
-    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
-    w = torch.empty(B, T, HV, K, dtype=dt, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    chunk_wu_kernel[(layout.total, HV)](k, v, beta, s1.gc, s1.Minv, w, u, **common, **chunks,
-                                        **launch_config('wu', K, V))
+    s1 = stage1 or chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices)
     blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt)
     # In the input dtype: every later product rounds them to it anyway.
     h = torch.empty(layout.total, HV, K, V, dtype=dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     chunk_state_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
-        s1.kbar, w, u, s1.gc, h, v_new, initial_state, cu_seqlens, layout.offsets, T, layout.NT,
-        *state_strides(K, V, state_v_first), USE_INITIAL_STATE=initial_state is not None,
-        **blocks, **common)
-    return s1.gc, s1.Aqk, s1.Akk, s1.Minv, w, u, h, v_new, s1.kbar, s1.qt
+        s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens, layout.offsets,
+        T, layout.NT, *state_strides(K, V, state_v_first), H=H, HV=HV, K=K, V=V, BT=layout.BT,
+        DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=cu_seqlens is not None,
+        USE_INITIAL_STATE=initial_state is not None, **blocks)
+    return s1.gc, s1.Aqk, s1.Akk, s1.Minv, s1.kg, h, v_new, s1.kbar, s1.qt
 
 
 def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
@@ -297,7 +287,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     if saved is None:
         saved = chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first,
                                     cu_seqlens, layout, gate, matrices)
-    gc, Aqk, Akk, Minv, w, u, h, v_new, kbar, qt = saved
+    gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt = saved
     saved = None
 
     blocks = state_launch_config('state_bwd', K, V, N * HV, dev, q.dtype)
@@ -306,12 +296,13 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunk_state_bwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
-        qt, kbar, w, gc, Aqk, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, T, layout.NT,
+        qt, kbar, kg, beta, gc, Aqk, Minv, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, T,
+        layout.NT,
         *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
         **blocks, **common)
     # Read by no later kernel: freed before the per-token gradients are allocated (the peak).
-    del kbar, qt, w, u
+    del kbar, qt, kg
 
     dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
@@ -380,12 +371,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         # Kept either way: the in-chunk matrices, [B, T, HV, BT] each (at BT = 64, K = V = 128,
         # bf16 with g in float32: half the bytes of q, k, v and g), which spare the backward's
         # recompute the pair products and the solve (H200, (8, 4096, 16), at 3598f32: 0.60 and
-        # 0.69 ms of its 1.9 ms); it forms W and U from M instead.
+        # 0.69 ms of its 1.9 ms).
         Aqk, Akk, Minv = s1.Aqk, s1.Akk, s1.Minv
         ctx.save_for_backward(q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                               Aqk, Akk, Minv)
-        # disable_recompute: the backward's recompute runs here instead, on this call's stage 1
-        # (the forward's own sweep never forms W, U or the corrections), so the gradients are the
+        # disable_recompute: the backward's state carry runs here instead, on this call's stage 1
+        # (the forward's own sweep keeps neither states nor corrections), so the gradients are the
         # same bits either way and the backward skips one stage-1 pass.
         ctx.saved_intermediates = None
         if disable_recompute:
