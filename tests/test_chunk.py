@@ -500,12 +500,33 @@ def test_backward_group_path_everywhere(monkeypatch, shape):
 def test_launch_rules(monkeypatch, rule):
     """The launcher's shape rules, which the interpreter's defaults never reach: halving the state
     sweeps' value slices (forward carry and gradient sweep) when there are fewer programs than SMs
-    (forced by claiming a huge GPU), and K = 256 (one pipeline stage, 32-wide state slices)."""
+    (forced by claiming a huge GPU), and K = 256 (32-wide state slices; float32: one pipeline
+    stage)."""
     if rule == 'halved_state_slice':
         monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
         check_case(1, 40, 1, 2, 32, 48, chunk_size=32)
     else:
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16, torch.float32])
+def test_state_sweep_stages(monkeypatch, dtype):
+    """The pipeline stages the launcher gives the state sweeps, at every head dim and with few or
+    many programs: 16-bit inputs never get one stage in the carry or the gradient sweep (they
+    faulted on the H200 so, see state_launch_config); float32 never more than 2, and 1 at K = 256
+    (shared memory)."""
+    for few in (False, True):
+        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6 if few else 1)
+        for K in (16, 64, 128, 256):
+            for stage in ('state_fwd', 'state_bwd', 'state_output'):
+                cfg = chunk_mod.state_launch_config(stage, K, 128, 4, torch.device('cpu'), dtype)
+                stages = cfg.get('num_stages', 2)
+                what = f"{stage} K={K} few={few} {dtype}: {cfg}"
+                assert cfg['BK'] >= K and cfg['BV'] <= (32 if K > 128 else 128), what
+                if dtype == torch.float32:
+                    assert stages <= (2 if K <= 128 else 1), what
+                elif stage != 'state_output':
+                    assert stages >= 2, what
 
 
 # Shared memory per block on the H200 (sm_90, opt-in maximum: 227 KiB), as Triton reports it there.
@@ -1194,6 +1215,14 @@ def test_cuda_bf16_varlen_real_sizes():
     """bf16 varlen: 8 mixed lengths (8192 tokens; partial chunks, a 1-token sequence), H=16,
     K=V=128, l2norm in the kernel."""
     check_real_sizes(torch.bfloat16, H=16, K=128, V=128, lengths=[1, 63, 64, 65, 500, 1000, 2437, 4062])
+
+
+@requires_cuda
+@pytest.mark.parametrize('B,H,T', [(1, 2, 1000), (8, 16, 200)])
+def test_cuda_bf16_head_dim_256(B, H, T):
+    """bf16 at K = 256 (one pipeline stage and value slices of at most 32 in the state sweeps),
+    with few programs (B = 1, H = 2: 16-wide slices) and with many."""
+    check_real_sizes(torch.bfloat16, H=H, K=256, V=128, B=B, T=T)
 
 
 @requires_cuda
