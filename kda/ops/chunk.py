@@ -104,10 +104,13 @@ TUNING = {
 # 44fc14e (fifth session), carry 1.172 16-wide (4 warps) against 1.223 32-wide (16-wide with 8
 # warps 1.306, 2 warps 1.274), gradient sweep 1.618 with 3 stages against 1.711 with 2 (16-wide
 # 1.719 at 4 warps, 3.064 at 8).
-# The fused forward sweep with few programs, H200 at e525316, (1, 32768, 32), ms a call: 1.798
-# 16-wide with 2 stages against 2.382 with 1 (32-wide: 1.818 with 2 stages, 2.294 with 1; 16-wide
-# with 3 stages 3.286, with 2 warps 2.468).
-FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_output': dict(BV=16, num_stages=2),
+# The fused forward sweep with few programs, H200, (1, 32768, 32), ms a call: at 883db65 1.811
+# 32-wide with 2 stages against 1.964 16-wide (3 stages 3.259, 8 warps 3.737); at e525316 one
+# stage was slower (16-wide 2.382, 32-wide 2.294). With the state sweeps applying M themselves
+# (f3e12c9) the carry takes 1.419 16-wide (32-wide 1.496) and the gradient sweep 1.961 with 3
+# stages (2 stages 1.975, 16-wide 3.592): 0.22 and 0.29 ms more than the WY form's, whose W/U
+# kernel (~0.48 ms) they no longer need.
+FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_output': dict(BV=32, num_stages=2),
                 'state_bwd': dict(num_warps=8, num_stages=3)}
 
 
