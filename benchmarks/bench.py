@@ -36,7 +36,9 @@ matrix-product ceilings, see ANCHORS.md); both parts are printed.
       (k e^(c_last - c))^T dV          2 C K V      state update
 
   i.e. ``6 C^2 K + 4 C^2 V + 6 C K V + C^3 / 3`` per chunk, about 182 kFLOP per token and head at
-  C = 64, K = V = 128. Element-wise work (decays, normalization) is not counted. Forward + backward is
+  C = 64, K = V = 128. The kernels apply M inside the state sweeps instead (``M diag(beta)
+  (V - (k e^c) S)``: W is never formed, 2 C^2 K less, ~164 kFLOP), so this FLOP floor is ~10 %
+  high; the byte floor is the larger of the two at these shapes either way. Element-wise work (decays, normalization) is not counted. Forward + backward is
   counted as 3x the forward (the backward's products are about twice the forward's).
   Decode: ``8 K V`` per token and head (decay, prediction S^T k, rank-1 update, output S^T q).
 

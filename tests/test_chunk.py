@@ -401,8 +401,9 @@ def test_strong_decay(chunk_size, pattern, lengths):
     (64, [70], 1, 1), (32, [70], 1, 2), (64, [1, 65, 49, 2], 1, 2), (32, [1, 33, 17, 64], 2, 2)])
 def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
     """The solve's M = (I + diag(beta) A')^-1 and the state carry's corrections
-    dV = M diag(beta) (v - k exp(c) S) (S: the kernel's own state entering the chunk, which
-    test_intermediate_states checks), entry by entry against float64 (torch.linalg.inv). Mild decay (steps in [-0.02, 0]), correlated keys
+    dV = M diag(beta) (v - k exp(c) S) (S: the state the carry stores for the chunk, checked
+    against the oracle only through the gradient tests), entry by entry against float64
+    (torch.linalg.inv). Mild decay (steps in [-0.02, 0]), correlated keys
     and beta up to 2 (allow_neg_eigval's range) keep every block of M large, so a wrong term in
     a block far from the diagonal shows (with the default inputs, where steps reach -1, blocks
     48 rows from the diagonal are ~1e-16 of the rest and the end-to-end tests hardly see them:
@@ -578,7 +579,9 @@ def compile_shared(stage, dtype, K, few):
         elif p.name in OPTIONAL:
             signature[p.name], constexprs[p.name] = 'constexpr', None
         else:
-            signature[p.name] = SCALARS.get(p.name, '*fp32' if p.name in FLOAT32 else ptr)
+            # The fused forward sweep stores the states handed to the user in float32.
+            f32 = p.name in FLOAT32 or (stage == 'state_output' and p.name == 'h')
+            signature[p.name] = SCALARS.get(p.name, '*fp32' if f32 else ptr)
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(n),): x for n, x in constexprs.items()})
     options = {n: cfg[n] for n in ('num_warps', 'num_stages', 'maxnreg') if n in cfg}
@@ -651,15 +654,16 @@ def lowp_bound(err_ref: float, u: float) -> float:
     recurrence computed in float32, its output rounded to the dtype: one rounding).
     ``u``: the size of one rounding to the dtype, ``rel(ref64.to(dtype), ref64)``.
     The kernels round tensor-core dot operands to the input dtype by design (q*e^c, k*e^c,
-    h, Aqk, w, u, v_new, and in the backward the operands of every dot but those of the diagonal
-    sub-blocks of the pair-matrix gradients, see chunk_common.DIAG_SPAN): each output depends on a chain
-    of ~4-8 such roundings, which add in quadrature (sqrt(8) ~ 2.8 u) and are carried a little by the
-    recurrence. Hence ``2 * err_ref + 5 * u``. Observed (fp16, interpreter): o <= 2.8 u,
-    final state <= 2.6 u, gradients <= 3.1 u, while the reference's own error is ~1 u (o, dq, dk,
-    dv) or ~0 (float32 states, float32 g/beta gradients). A wrong mask, decay or chunk boundary
-    gives errors >= 1e-2 .. 1, far above this (fp16: ~1.5e-3, bf16: ~1.2e-2). Rounding the
-    backward's diagonal sub-block products to the input dtype fails it through dg alone (fp16,
-    interpreter: 7.4 u, bound 5 u; bf16 on the H200: 9 u), as the float16 case here shows.
+    h, Aqk, M, beta (v - kg h), v_new, and in the backward the operands of every dot but those of
+    the diagonal sub-blocks of the pair-matrix gradients, see chunk_common.DIAG_SPAN): each output
+    depends on a chain of ~4-8 such roundings, which add in quadrature (sqrt(8) ~ 2.8 u) and are
+    carried a little by the recurrence. Hence ``2 * err_ref + 5 * u``. Observed (fp16,
+    interpreter): o <= 2.8 u, final state <= 2.6 u, gradients <= 3.1 u, while the reference's own
+    error is ~1 u (o, dq, dk, dv) or ~0 (float32 states, float32 g/beta gradients). A wrong mask,
+    decay or chunk boundary gives errors >= 1e-2 .. 1, far above this (fp16: ~1.5e-3, bf16:
+    ~1.2e-2). Rounding the backward's diagonal sub-block products to the input dtype fails it
+    through dg alone (fp16, interpreter: 7.4 u, bound 5 u; bf16 on the H200: 9 u), as the float16
+    case here shows.
     """
     return 2 * err_ref + 5 * u
 
@@ -1220,8 +1224,9 @@ def test_cuda_bf16_varlen_real_sizes():
 @requires_cuda
 @pytest.mark.parametrize('B,H,T', [(1, 2, 1000), (8, 16, 200)])
 def test_cuda_bf16_head_dim_256(B, H, T):
-    """bf16 at K = 256 (one pipeline stage and value slices of at most 32 in the state sweeps),
-    with few programs (B = 1, H = 2: 16-wide slices) and with many."""
+    """bf16 at K = 256 (value slices of at most 32 in the state sweeps; two pipeline stages for the
+    carry and the gradient sweep, which faulted on the H200 with the one this shape used to get),
+    with few programs (B = 1, H = 2) and with many."""
     check_real_sizes(torch.bfloat16, H=H, K=256, V=128, B=B, T=T)
 
 
@@ -1281,7 +1286,8 @@ def test_saved_for_backward(gate, dtype):
     [B, T, HV, K] tensor: the inverse norms of q and k (2 / K; the normalized q and k, 2 more
     units in float32, are recomputed), with the in-kernel gate the activated beta (1 / K), and
     the in-chunk matrices Aqk and M (input dtype) and A' (float32), BT entries a token each; nothing
-    [.., K]- or state-sized (c, W, U and the states are recomputed; FLA 0.6.0 keeps c), and
+    [.., K]- or state-sized (c, the decayed keys and queries and the states are recomputed;
+    FLA 0.6.0 keeps c), and
     nothing of the gate, which the kernels activate themselves (as PyTorch ops under autograd it
     kept 3 units: the activated log-decay and two intermediates, which lifted the H200 training
     peak from 0.78x to 0.88x FLA's)."""

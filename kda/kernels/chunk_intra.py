@@ -195,7 +195,7 @@ def chunk_cumsum_kernel(
 ):
     """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice, the keys decayed to the
     chunk's end, ``kbar = k exp(c_last - c)``, and the decayed queries ``qt = scale q exp(c)``, which
-    the state carry, its gradient sweep and the output stage read: formed here, they leave those
+    the state sweeps (forward with outputs, recompute, gradient) read: formed here, they leave those
     one input-dtype tile per chunk to load instead of q or k, the float32 c and their exps
     (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar), and ``kg = k exp(c)``, which
     the state sweeps apply the WY transform to. With ``GATE`` (see

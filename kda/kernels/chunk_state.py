@@ -9,8 +9,9 @@ and the decayed keys ``Kg = k exp(c)``, ``Kbar = k exp(c_last - c)`` from stage 
 
 W and U are never formed: applying M inside costs one more ``[BT, BT] x [BT, BV]`` product a chunk
 and spares a kernel that wrote them and the sweeps that read them back.
-``chunk_state_fwd_kernel`` is the backward's recompute: it stores every chunk's incoming state and
-corrections for the gradient stages. The forward runs the same steps fused with the outputs
+``chunk_state_fwd_kernel`` is the backward's recompute (run in the forward under
+``disable_recompute``): it stores every chunk's incoming state and corrections for the gradient
+stages. The forward runs the same steps fused with the outputs
 (``chunk_state_output.py``). One program owns a ``[K, BV]`` slice of one sequence's state for one
 value head and walks that sequence's chunks; the state stays in registers in float32.
 """
