@@ -56,6 +56,31 @@ def state_tile(i_n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
+def sweep_program(cu_seqlens, chunk_offsets, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    """A state sweep's program: (sequence, value head) on grid axis 0, which allows 2^31 - 1
+    programs (axis 1 stops at 65535), value slice on axis 1. Returns ``(i_n, i_hv, i_v)`` and the
+    sequence's first row, length and first global chunk (``sequence_span``)."""
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
+    return i_n, i_hv, i_v, bos, L, c0
+
+
+@triton.jit
+def load_state(s0, i_n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, stride_sk,
+               stride_sv, BK: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr):
+    """The float32 ``[BK, BV]`` slice of a sweep's starting state ``s0`` (zeros unless ``USE``),
+    with the slice's offsets and mask in such a tensor (``state_tile``), for the state it ends
+    with."""
+    o_s, m_s = state_tile(i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE:
+        b_s += tl.load(s0 + o_s, mask=m_s, other=0.).to(tl.float32)
+    return b_s, o_s, m_s
+
+
+@triton.jit
 def load_rows(base, o_r, n_rows, row_stride, col0, n_cols, BC: tl.constexpr):
     """float32 ``[len(o_r), BC]`` tile of the rows listed in ``o_r`` and columns ``col0..``; zero
     outside ``n_rows`` x ``n_cols``."""

@@ -18,8 +18,8 @@ value head and walks that sequence's chunks; the state stays in registers in flo
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
-                                      store_tile)
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile, mm, store_tile,
+                                      sweep_program)
 
 
 @triton.jit
@@ -58,15 +58,8 @@ def chunk_state_fwd_kernel(
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
 ):
-    # (sequence, head) on axis 0, which allows 2^31 - 1 programs; axis 1 stops at 65535.
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
-
-    o_s, m_s = state_tile(i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        b_h += tl.load(h0 + o_s, mask=m_s, other=0.).to(tl.float32)
+    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, T, NT, HV, BT, IS_VARLEN)
+    b_h, _, _ = load_state(h0, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV, USE_INITIAL_STATE)
 
     for i_t in range(tl.cdiv(L, BT)):
         row0 = bos + i_t * BT

@@ -16,8 +16,8 @@ The last ``dS`` is the gradient of the initial state.
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, load_row, load_tile, mm, sequence_span, state_tile,
-                                      store_tile)
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile, mm, store_tile,
+                                      sweep_program)
 
 
 @triton.jit
@@ -32,15 +32,10 @@ def chunk_state_bwd_kernel(
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
 ):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
-
+    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, T, NT, HV, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_s, m_s = state_tile(i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_FINAL_STATE_GRADIENT:
-        b_dh += tl.load(dht + o_s, mask=m_s, other=0.).to(tl.float32)
+    b_dh, o_s, m_s = load_state(dht, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV,
+                                USE_FINAL_STATE_GRADIENT)
 
     for i_r in range(tl.cdiv(L, BT)):
         i_t = tl.cdiv(L, BT) - 1 - i_r

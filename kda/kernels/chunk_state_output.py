@@ -15,7 +15,7 @@ replaced). ``STORE_STATES`` also writes each chunk's incoming state (``return_in
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import load_tile, mm, sequence_span, state_tile, store_tile
+from kda.kernels.chunk_common import load_state, load_tile, mm, store_tile, sweep_program
 from kda.kernels.chunk_state import carry_state, chunk_corrections
 
 
@@ -31,18 +31,12 @@ def chunk_state_output_fwd_kernel(
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_STATES: tl.constexpr,
 ):
-    # (sequence, head) on axis 0, which allows 2^31 - 1 programs; axis 1 stops at 65535.
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
+    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, T, NT, HV, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     # Lower triangle with the diagonal: Aqk's entries above it are never written.
     m_tri = o_t[:, None] >= o_t[None, :]
-
-    o_s, m_s = state_tile(i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        b_h += tl.load(h0 + o_s, mask=m_s, other=0.).to(tl.float32)
+    b_h, o_s, m_s = load_state(h0, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV,
+                               USE_INITIAL_STATE)
 
     for i_t in range(tl.cdiv(L, BT)):
         row0 = bos + i_t * BT
