@@ -23,17 +23,25 @@ from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_til
 
 
 @triton.jit
+def chunk_beta_inverse(beta, Minv, row0, n, i_hv, HV: tl.constexpr, BT: tl.constexpr):
+    """The chunk's ``beta`` ``[BT]`` and ``M`` ``[BT, BT]`` (float32; ``n`` valid rows), through
+    which the sweeps apply the WY form ``W = M diag(beta) Kg``; ``M``'s entries above the diagonal
+    are never written: selected out."""
+    o_t = tl.arange(0, BT)
+    b_beta = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=o_t < n, other=0.).to(tl.float32)
+    b_M = load_tile(Minv + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
+    return b_beta, tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
+
+
+@triton.jit
 def chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       DOT_DTYPE: tl.constexpr):
     """``dV = M diag(beta) (V - Kg S)`` ``[BT, BV]`` of the chunk at ``row0`` (``n`` valid rows),
-    value slice ``i_v``; ``M``'s entries above the diagonal are never written: selected out."""
-    o_t = tl.arange(0, BT)
+    value slice ``i_v``."""
     b_kg = load_tile(kg + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
     b_v = load_tile(v + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
-    b_beta = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=o_t < n, other=0.).to(tl.float32)
-    b_M = load_tile(Minv + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
-    b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
+    b_beta, b_M = chunk_beta_inverse(beta, Minv, row0, n, i_hv, HV, BT)
     return mm(b_M, (b_v - mm(b_kg, b_h, DOT_DTYPE)) * b_beta[:, None], DOT_DTYPE)
 
 

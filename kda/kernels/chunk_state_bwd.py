@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile, mm, store_tile,
                                       sweep_program)
+from kda.kernels.chunk_state import chunk_beta_inverse
 
 
 @triton.jit
@@ -51,9 +52,7 @@ def chunk_state_bwd_kernel(
         store_tile(dv_new + row0 * HV * V + i_hv * V, b_ddv, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_qt = load_tile(qt + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
         b_kg = load_tile(kg + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_beta = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=o_t < n, other=0.).to(tl.float32)
-        b_M = load_tile(Minv + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
-        b_M = tl.where(o_t[:, None] >= o_t[None, :], b_M, 0.)
+        b_beta, b_M = chunk_beta_inverse(beta, Minv, row0, n, i_hv, HV, BT)
         b_x = mm(tl.trans(b_M), b_ddv, DOT_DTYPE) * b_beta[:, None]
         b_dh = (b_dh * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_qt), b_do, DOT_DTYPE)
                 - mm(tl.trans(b_kg), b_x, DOT_DTYPE))
