@@ -180,6 +180,13 @@ def gate_launch_args(gate: KernelGate | None) -> dict:
     return dict(A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, GATE=gate.kind)
 
 
+def head_dims(q, v, layout: ChunkLayout, cu_seqlens) -> dict:
+    """The compile-time sizes most chunk kernels take (head counts and dims, chunk, dot dtype,
+    varlen)."""
+    return dict(H=q.shape[2], HV=v.shape[2], K=q.shape[3], V=v.shape[3], BT=layout.BT,
+                DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
+
+
 @dataclass
 class Stage1:
     """Stage 1's per-token outputs: cumulative log-decay ``gc`` (float32), decayed queries ``qt``
@@ -250,9 +257,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     chunk_state_output_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
         s1.qt, s1.kg, s1.kbar, v, beta, s1.gc, s1.Aqk, s1.Minv, o, h, initial_state, final_state,
         cu_seqlens, layout.offsets, T, layout.NT, *state_strides(K, V, state_v_first),
-        H=H, HV=HV, K=K, V=V, BT=layout.BT, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=cu_seqlens is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        STORE_STATES=store_states, **blocks)
+        STORE_STATES=store_states, **blocks, **head_dims(q, v, layout, cu_seqlens))
     return o, final_state, s1, h
 
 
@@ -274,9 +280,8 @@ def chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first, c
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     chunk_state_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
         s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens, layout.offsets,
-        T, layout.NT, *state_strides(K, V, state_v_first), H=H, HV=HV, K=K, V=V, BT=layout.BT,
-        DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=cu_seqlens is not None,
-        USE_INITIAL_STATE=initial_state is not None, **blocks)
+        T, layout.NT, *state_strides(K, V, state_v_first),
+        USE_INITIAL_STATE=initial_state is not None, **blocks, **head_dims(q, v, layout, cu_seqlens))
     return s1.gc, s1.Aqk, s1.Akk, s1.Minv, s1.kg, h, v_new, s1.kbar, s1.qt
 
 
@@ -295,7 +300,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BT = layout.BT
     dev = q.device
-    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
+    common = head_dims(q, v, layout, cu_seqlens)
     if saved is None:
         saved = chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first,
                                     cu_seqlens, layout, gate, matrices)
