@@ -56,7 +56,7 @@ KERNELS = {
                  dict(floats=('scale',), **chunks), [(2, 2, None), (4, 2, None)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(q='*fp16', k='*fp16'), dict(BC=16, BK=32, FACTORED_DIAG=False, **{k: v for k, v in common.items() if k not in ('V', 'DOT_DTYPE')}, DOT_DTYPE=tl.float16),
                       dict(floats=('scale',), **chunks), [(2, 2, None)]),
-    'solve': (chunk_solve_kernel, dict(beta=bf), dict(HV=16, BT=64, BC=16, IS_VARLEN=False), chunks,
+    'solve': (chunk_solve_kernel, dict(beta=bf), dict(HV=16, BT=64, BC=16, DOT_DTYPE=tl.bfloat16, IS_VARLEN=False), chunks,
               [(2, 2, None), (1, 2, None), (4, 2, None)]),
     'intra_bwd': (chunk_intra_bwd_kernel, dict(q=bf, k=bf, v=bf, beta=bf, h=bf, v_new=bf, do=bf, dh=bf, dv_new=bf, dv=bf),
                   dict(BK=32, BV=32, **common), dict(floats=('scale',), **chunks), [(4, 1, None), (8, 1, None)]),

@@ -128,6 +128,19 @@ def mm(a, b, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def mm_fine(a, b, DOT_DTYPE: tl.constexpr):
+    """``a @ b`` for operands that must not be rounded to 16 bits (see ``DIAG_SPAN``): exact
+    float32 for float32 inputs, as ``mm``; otherwise three tf32 tensor-core products on a split of
+    each operand into its leading and trailing 11 bits (tf32x3, about 1e-6 relative error where a
+    bf16 operand carries 4e-3), instead of the exact product on the FMA units, which costs each
+    thread ~16 multiply-adds per output element plus its operand shuffles."""
+    if DOT_DTYPE == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
 def exp_nonpos(x):
     """exp of a quantity that is mathematically <= 0 (a decay over a span of tokens). Clamping at 0
     keeps lanes whose exponent is meaningless (above the diagonal, past the chunk) finite; a NaN

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_nonpos, load_row, load_rows,
-                                      load_tile, mm, store_tile)
+                                      load_tile, mm, mm_fine, store_tile)
 from kda.kernels.gate import log_decay_tile
 
 
@@ -267,7 +267,8 @@ def chunk_solve_kernel(
     beta, Akk, Minv,
     cu_seqlens, chunk_indices,
     T, NT,
-    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """``M = (I + diag(beta) A')^-1`` of one chunk and value head."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -281,31 +282,33 @@ def chunk_solve_kernel(
     # in the same kernel, 0.69 ms a call at (8, 4096, 16) on the H200 either way.)
     tl.static_assert(BT == 2 * BC or BT == 4 * BC, "chunks of 2 or 4 sub-blocks")
     NC: tl.constexpr = BT // BC
-    f32: tl.constexpr = tl.float32
     beta_base = beta + start * HV + i_hv
     b_A21 = beta_rows_block(K_base, beta_base, 1, 0, L, HV, BT, BC)
     if NC == 2:
         b_M11, b_M22, _, _ = diagonal_inverses(beta_rows_block(K_base, beta_base, 0, 0, L, HV, BT, BC),
                                                beta_rows_block(K_base, beta_base, 1, 1, L, HV, BT, BC),
                                                b_A21, b_A21, BC, 2)
-        b_M21 = -mm(b_M22, mm(b_A21, b_M11, f32), f32)
+        b_M21 = -mm_fine(b_M22, mm_fine(b_A21, b_M11, DOT_DTYPE), DOT_DTYPE)
     else:
         b_M11, b_M22, b_M33, b_M44 = diagonal_inverses(
             beta_rows_block(K_base, beta_base, 0, 0, L, HV, BT, BC),
             beta_rows_block(K_base, beta_base, 1, 1, L, HV, BT, BC),
             beta_rows_block(K_base, beta_base, 2, 2, L, HV, BT, BC),
             beta_rows_block(K_base, beta_base, 3, 3, L, HV, BT, BC), BC, 4)
-        b_M21 = -mm(b_M22, mm(b_A21, b_M11, f32), f32)
+        b_M21 = -mm_fine(b_M22, mm_fine(b_A21, b_M11, DOT_DTYPE), DOT_DTYPE)
         b_A31 = beta_rows_block(K_base, beta_base, 2, 0, L, HV, BT, BC)
         b_A32 = beta_rows_block(K_base, beta_base, 2, 1, L, HV, BT, BC)
-        b_M31 = -mm(b_M33, mm(b_A31, b_M11, f32) + mm(b_A32, b_M21, f32), f32)
-        b_M32 = -mm(b_M33, mm(b_A32, b_M22, f32), f32)
+        b_M31 = -mm_fine(b_M33, mm_fine(b_A31, b_M11, DOT_DTYPE) + mm_fine(b_A32, b_M21, DOT_DTYPE),
+                         DOT_DTYPE)
+        b_M32 = -mm_fine(b_M33, mm_fine(b_A32, b_M22, DOT_DTYPE), DOT_DTYPE)
         b_A41 = beta_rows_block(K_base, beta_base, 3, 0, L, HV, BT, BC)
         b_A42 = beta_rows_block(K_base, beta_base, 3, 1, L, HV, BT, BC)
         b_A43 = beta_rows_block(K_base, beta_base, 3, 2, L, HV, BT, BC)
-        b_M41 = -mm(b_M44, mm(b_A41, b_M11, f32) + mm(b_A42, b_M21, f32) + mm(b_A43, b_M31, f32), f32)
-        b_M42 = -mm(b_M44, mm(b_A42, b_M22, f32) + mm(b_A43, b_M32, f32), f32)
-        b_M43 = -mm(b_M44, mm(b_A43, b_M33, f32), f32)
+        b_M41 = -mm_fine(b_M44, mm_fine(b_A41, b_M11, DOT_DTYPE) + mm_fine(b_A42, b_M21, DOT_DTYPE)
+                         + mm_fine(b_A43, b_M31, DOT_DTYPE), DOT_DTYPE)
+        b_M42 = -mm_fine(b_M44, mm_fine(b_A42, b_M22, DOT_DTYPE) + mm_fine(b_A43, b_M32, DOT_DTYPE),
+                         DOT_DTYPE)
+        b_M43 = -mm_fine(b_M44, mm_fine(b_A43, b_M33, DOT_DTYPE), DOT_DTYPE)
         store_tile(M_base, b_M31, 2 * BC, L, HV * BT, 0, BT, BC, BC)
         store_tile(M_base, b_M32, 2 * BC, L, HV * BT, BC, BT, BC, BC)
         store_tile(M_base, b_M33, 2 * BC, L, HV * BT, 2 * BC, BT, BC, BC)

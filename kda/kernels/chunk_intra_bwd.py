@@ -25,14 +25,14 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (LOG_DECAY_FLOOR, chunk_span, diag_factors, diag_reference,
-                                      exp_nonpos, load_row, load_rows, load_tile, mm, scale_rows,
-                                      store_tile, within_diag_span)
+                                      exp_nonpos, load_row, load_rows, load_tile, mm, mm_fine,
+                                      scale_rows, store_tile, within_diag_span)
 from kda.kernels.gate import gate_bwd, log_decay_tile
 
 
 @triton.jit
 def group_row_grads(b_p1, b_p2, b_k, b_c, k_base, gc_base, X, i_k, L, QK_STRIDE, GC_STRIDE,
-                    K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+                    K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Diagonal block X of ``pair_row_grads`` for any decay: its rows cut into groups of G = 4;
     entries between groups b < a factor through the last row of group b (both factors <= 1),
     one float32 product per group and matrix; the 4 x 4 diagonal groups element by element, one
@@ -47,8 +47,8 @@ def group_row_grads(b_p1, b_p2, b_k, b_c, k_base, gc_base, X, i_k, L, QK_STRIDE,
         b_r = load_row(gc_base, X * BC + b * G + G - 1, L, GC_STRIDE, i_k * BK, K, BK)
         b_up = tl.where((o_g > b)[:, None], exp_nonpos(b_c - b_r[None, :]), 0.)
         b_kd = tl.where((o_g == b)[:, None], b_k * exp_nonpos(b_r[None, :] - b_c), 0.)
-        b_d1 += mm(b_p1, b_kd, tl.float32) * b_up
-        b_d2 += mm(b_p2, b_kd, tl.float32) * b_up
+        b_d1 += mm_fine(b_p1, b_kd, DOT_DTYPE) * b_up
+        b_d2 += mm_fine(b_p2, b_kd, DOT_DTYPE) * b_up
     for t in range(G):
         o_j = o_g * G + t
         b_kj = load_rows(k_base, X * BC + o_j, L, QK_STRIDE, i_k * BK, K, BK)
@@ -62,7 +62,8 @@ def group_row_grads(b_p1, b_p2, b_k, b_c, k_base, gc_base, X, i_k, L, QK_STRIDE,
 
 @triton.jit
 def group_col_grads(b_pt1, b_pt2, b_q, b_k, b_c, q_base, k_base, gc_base, X, i_k, L, QK_STRIDE,
-                    GC_STRIDE, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+                    GC_STRIDE, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr):
     """Diagonal block X of ``pair_col_grads`` for any decay, by the groups of
     ``group_row_grads`` seen from the column side: row j of the result sums over the rows
     i >= j; ``b_pt*`` = dP[X, X]^T (row j, column i)."""
@@ -74,7 +75,7 @@ def group_col_grads(b_pt1, b_pt2, b_q, b_k, b_c, q_base, k_base, gc_base, X, i_k
         b_r = load_row(gc_base, X * BC + b * G + G - 1, L, GC_STRIDE, i_k * BK, K, BK)
         b_dn = tl.where((o_g == b)[:, None], exp_nonpos(b_r[None, :] - b_c), 0.)
         b_ea = tl.where((o_g > b)[:, None], exp_nonpos(b_c - b_r[None, :]), 0.)
-        b_d += (mm(b_pt1, b_q * b_ea, tl.float32) + mm(b_pt2, b_k * b_ea, tl.float32)) * b_dn
+        b_d += (mm_fine(b_pt1, b_q * b_ea, DOT_DTYPE) + mm_fine(b_pt2, b_k * b_ea, DOT_DTYPE)) * b_dn
     for t in range(G):
         o_s = o_g * G + t
         b_qs = load_rows(q_base, X * BC + o_s, L, QK_STRIDE, i_k * BK, K, BK)
@@ -88,7 +89,7 @@ def group_col_grads(b_pt1, b_pt2, b_q, b_k, b_c, q_base, k_base, gc_base, X, i_k
 
 
 @triton.jit
-def factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_k, b_c, b_r, m_r):
+def factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_k, b_c, b_r, m_r, DOT_DTYPE: tl.constexpr):
     """Adds the diagonal block of ``pair_row_grads`` through its middle row r (float32 products;
     ``chunk_common.diag_reference`` says when this is allowed and why float32). A factor reaches
     exp(60), so dP enters with its rows scaled to max |.| = 1 and the scale is applied after
@@ -98,20 +99,20 @@ def factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_k, b_c, b_r, m_r):
     b_kd = b_k * b_dn
     b_p1, b_s1 = scale_rows(b_p1)
     b_p2, b_s2 = scale_rows(b_p2)
-    b_d1 += (mm(b_p1, b_kd, tl.float32) * b_up) * b_s1[:, None]
-    b_d2 += (mm(b_p2, b_kd, tl.float32) * b_up) * b_s2[:, None]
+    b_d1 += (mm_fine(b_p1, b_kd, DOT_DTYPE) * b_up) * b_s1[:, None]
+    b_d2 += (mm_fine(b_p2, b_kd, DOT_DTYPE) * b_up) * b_s2[:, None]
     return b_d1, b_d2
 
 
 @triton.jit
-def factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_c, b_r, m_r):
+def factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_c, b_r, m_r, DOT_DTYPE: tl.constexpr):
     """Adds the diagonal block of ``pair_col_grads`` through its middle row r, as
     ``factored_row_grads`` from the column side (``b_p*``: dP[X, X], transposed here)."""
     b_up, b_dn = diag_factors(b_c, b_r, m_r)
     b_p1, b_s1 = scale_rows(tl.trans(b_p1))
     b_p2, b_s2 = scale_rows(tl.trans(b_p2))
-    b_d += ((mm(b_p1, b_q * b_up, tl.float32) * b_dn) * b_s1[:, None]
-            + (mm(b_p2, b_k * b_up, tl.float32) * b_dn) * b_s2[:, None])
+    b_d += ((mm_fine(b_p1, b_q * b_up, DOT_DTYPE) * b_dn) * b_s1[:, None]
+            + (mm_fine(b_p2, b_k * b_up, DOT_DTYPE) * b_dn) * b_s2[:, None])
     return b_d
 
 
@@ -142,12 +143,12 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
     b_kX = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
     b_r, m_r = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
     if BOUNDED_DECAY:
-        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r)
+        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
     elif within_diag_span(b_cX, b_r, m_r):
-        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r)
+        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
     else:
         b_g1, b_g2 = group_row_grads(b_p1, b_p2, b_kX, b_cX, k_base, gc_base, X, i_k, L, QK_STRIDE,
-                                     GC_STRIDE, K, BC, BK)
+                                     GC_STRIDE, K, BC, BK, DOT_DTYPE)
         b_d1 += b_g1
         b_d2 += b_g2
     return b_d1, b_d2
@@ -179,12 +180,12 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
     b_k = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
     b_r, m_r = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
     if BOUNDED_DECAY:
-        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r)
+        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r, DOT_DTYPE)
     elif within_diag_span(b_cX, b_r, m_r):
-        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r)
+        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r, DOT_DTYPE)
     else:
         b_d += group_col_grads(tl.trans(b_p1), tl.trans(b_p2), b_q, b_k, b_cX, q_base, k_base, gc_base,
-                               X, i_k, L, QK_STRIDE, GC_STRIDE, K, BC, BK)
+                               X, i_k, L, QK_STRIDE, GC_STRIDE, K, BC, BK, DOT_DTYPE)
     return b_d
 
 

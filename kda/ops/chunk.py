@@ -231,7 +231,7 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
         FACTORED_DIAG=dt != torch.float16, IS_VARLEN=is_varlen, **chunks,
         **launch_config('pair_fwd', K, K))
     chunk_solve_kernel[(layout.total, HV)](
-        beta, Akk, Minv, HV=HV, BT=BT, BC=BC, IS_VARLEN=is_varlen, **chunks,
+        beta, Akk, Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen, **chunks,
         **launch_config('solve', K, K))
     return Stage1(gc, qt, kbar, kg, Aqk, Akk, Minv)
 
