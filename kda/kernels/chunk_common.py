@@ -167,7 +167,8 @@ def clamp_log_decay(g):
 # r. Taken only where every valid row of the slice lies within DIAG_SPAN of r: exp(60) = 1.1e26
 # leaves 1e12 of float32 range for the keys or queries the factor multiplies (the pair-matrix
 # gradients enter scaled to at most 1, see chunk_intra_bwd.py), and exp(-60) times a key stays far
-# above float32's smallest normal (1e-38). The products run in float32, not in the input dtype: a
+# above float32's smallest normal (1e-38). The products keep float32 operands (``mm_fine``: exact
+# for float32 inputs, tf32x3 otherwise), never rounded to the input dtype: a
 # pair term x_ij enters dc_i as +x and dc_j as -x through two different products, and dg sums dc
 # over the chunk, so any rounding that differs between the two sides stays in every dg before j.
 # The diagonal blocks hold the least-decayed, largest terms; with bf16 operands there the H200 gave

@@ -90,8 +90,8 @@ def group_col_grads(b_pt1, b_pt2, b_q, b_k, b_c, q_base, k_base, gc_base, X, i_k
 
 @triton.jit
 def factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_k, b_c, b_r, m_r, DOT_DTYPE: tl.constexpr):
-    """Adds the diagonal block of ``pair_row_grads`` through its middle row r (float32 products;
-    ``chunk_common.diag_reference`` says when this is allowed and why float32). A factor reaches
+    """Adds the diagonal block of ``pair_row_grads`` through its middle row r (``mm_fine``
+    products; ``chunk_common.diag_reference`` says when this is allowed and why not 16 bits). A factor reaches
     exp(60), so dP enters with its rows scaled to max |.| = 1 and the scale is applied after
     exp(c_i - r) has brought the product back to its true size: unscaled, gradients above ~3e12
     overflowed (review: v * 1e16 gave inf dq where the element-wise path was finite)."""
