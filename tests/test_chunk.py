@@ -600,7 +600,8 @@ for dtype in (torch.float32, torch.bfloat16):
         cases += [(stage, dtype, K, few) for K, few in shapes]
 # One compile per process, all cores: one after another they took > 150 s on the 16-core GPU host,
 # where this test's shard of the GPU suite ran out of time twice (f89fb07, c985605).
-with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context('fork')) as pool:
+workers = min(len(cases), len(os.sched_getaffinity(0)))
+with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('fork')) as pool:
     print(json.dumps(list(pool.map(row, cases))))
 """
 

@@ -129,7 +129,8 @@ def mm(a, b, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def mm_fine(a, b, DOT_DTYPE: tl.constexpr):
-    """``a @ b`` for operands that must not be rounded to 16 bits (see ``DIAG_SPAN``): exact
+    """``a @ b`` for operands that must not be rounded to 16 bits (the backward's diagonal blocks,
+    see ``DIAG_SPAN``; the solve's block substitution, whose errors would compound): exact
     float32 for float32 inputs, as ``mm``; otherwise three tf32 tensor-core products on a split of
     each operand into its leading and trailing 11 bits (tf32x3, about 1e-6 relative error where a
     bf16 operand carries 4e-3), instead of the exact product on the FMA units, which costs each

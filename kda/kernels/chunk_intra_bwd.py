@@ -35,7 +35,7 @@ def group_row_grads(b_p1, b_p2, b_k, b_c, k_base, gc_base, X, i_k, L, QK_STRIDE,
                     K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Diagonal block X of ``pair_row_grads`` for any decay: its rows cut into groups of G = 4;
     entries between groups b < a factor through the last row of group b (both factors <= 1),
-    one float32 product per group and matrix; the 4 x 4 diagonal groups element by element, one
+    one ``mm_fine`` product per group and matrix; the 4 x 4 diagonal groups element by element, one
     gathered row of k (and one entry of dP per row) at a time. ``b_p*``: dP[X, X] (zero above
     the diagonal); ``b_k``, ``b_c``: the block's keys and cumulative decays."""
     G: tl.constexpr = 4

@@ -69,7 +69,8 @@ TUNING = {
     # H200 sweeps at 3598f32 + this table's changes, (8, 4096, 16), ms a call. maxnreg caps the
     # registers a thread so more programs fit an SM. cumsum: 0.308 capped at 96 (0.322 not, 0.407
     # at 64). pair_fwd: 0.530 at 128 and 3 stages (0.600 uncapped, 2 stages; 4 warps >= 0.81).
-    # solve: 0.138 at 1 warp (0.308 at 2, 0.417 at 4: its [16, 16] blocks fill one warp).
+    # solve: 0.138 at 1 warp (0.308 at 2, 0.417 at 4: its [16, 16] blocks fill one warp); with
+    # its products as tf32x3 (9ae34fc) still 1 warp: 0.170 against 0.396 at 2, 0.668 at 4.
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=2, num_stages=3, maxnreg=128),
     'solve': dict(num_warps=1),
@@ -224,7 +225,8 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
         return Stage1(gc, qt, kbar, kg, *matrices)
     # Aqk and M are only ever matrix-product operands after the kernel that forms them, rounded
     # to the input dtype there anyway: kept in it, bit for bit the same results. A' is not: the
-    # solve and the beta gradient use it element by element in float32.
+    # solve reads it in float32 (its products keep float32 operands, mm_fine) and the beta
+    # gradient uses it element by element.
     Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
     Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
     Minv = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
