@@ -71,15 +71,15 @@ KERNELS = {
                       dict(floats=('lower_bound',), **chunks), [(4, 2, None)]),
     'state_fwd': (chunk_state_fwd_kernel, dict(kg=bf, kbar=bf, v=bf, beta=bf, Minv=bf, h=bf, v_new=bf),
                   dict(BK=128, BV=32, USE_INITIAL_STATE=False, **common),
-                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h0')),
+                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'seq_order', 'h0')),
                   [(4, 2, None), (8, 2, None)]),
     'state_bwd': (chunk_state_bwd_kernel, dict(qt=bf, kbar=bf, kg=bf, beta=bf, Minv=bf, do=bf, dh=bf, Aqk=bf, dv_new=bf),
                   dict(BK=128, BV=64, USE_FINAL_STATE_GRADIENT=False, STORE_INITIAL_STATE_GRADIENT=False, **common),
-                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'dht', 'dh0')),
+                  dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'seq_order', 'dht', 'dh0')),
                   [(4, 2, None), (8, 2, None)]),
     'state_output': (chunk_state_output_fwd_kernel, dict(qt=bf, kg=bf, kbar=bf, v=bf, beta=bf, Aqk=bf, Minv=bf, o=bf),
                      dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False, **common),
-                     dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'h', 'h0', 'ht')),
+                     dict(ints=('T', 'NT', 'stride_sk', 'stride_sv'), nones=('cu_seqlens', 'chunk_offsets', 'seq_order', 'h', 'h0', 'ht')),
                      [(4, 2, None), (8, 2, None), (4, 3, None)]),
 }
 for name in sys.argv[1:] or KERNELS:

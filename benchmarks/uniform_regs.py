@@ -54,7 +54,7 @@ def sass(name, dtype, K, BV, warps, stages, flags):
             sig[p.name], cx[p.name] = 'constexpr', values[p.name]
         elif p.name == 'stride_sv':
             sig[p.name], cx[p.name] = 'constexpr', 1
-        elif p.name in ('cu_seqlens', 'chunk_offsets') or (not flags and (p.name in STATE_IO or state_out)):
+        elif p.name in ('cu_seqlens', 'chunk_offsets', 'seq_order') or (not flags and (p.name in STATE_IO or state_out)):
             sig[p.name], cx[p.name] = 'constexpr', None
         elif p.name in ('T', 'NT', 'stride_sk'):
             sig[p.name], attrs[(i,)] = 'i32', [['tt.divisibility', 16]]

@@ -425,7 +425,7 @@ def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
     offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
     varlen = len(lengths) > 1
     cu = lengths_to_cu(lengths).to(KDEV) if varlen else None
-    layout = chunk_mod.chunk_layout(1, T, chunk_size, offsets if varlen else None, KDEV)
+    layout = chunk_mod.chunk_layout(1, T, chunk_size, offsets if varlen else None, cu)
     saved = chunk_mod.chunk_kda_recompute(x['q'].to(KDEV), k.to(KDEV), x['v'].to(KDEV), g.to(KDEV),
                                           beta.to(KDEV), 0.25, None, False, cu, layout)
     gc, _, Akk, Minv, kg, h, v_new = (t.double().cpu() for t in saved[:7])
@@ -510,6 +510,22 @@ def test_launch_rules(monkeypatch, rule):
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
 
 
+def test_chunk_layout_varlen():
+    """The varlen chunk map: (sequence, chunk) per global chunk, each sequence's first chunk, and
+    the sweeps' start order, longest first with ties in sequence order. A wrong order is not
+    caught by the numerical tests when it is a permutation (every sequence still runs), so the
+    order itself is pinned here."""
+    offsets = [0, 70, 70, 71, 200, 264]          # lengths 70, 0, 1, 129, 64 -> chunks 2, 0, 1, 3, 1
+    layout = chunk_mod.chunk_layout(1, 264, 64, offsets, torch.tensor(offsets).to(KDEV))
+    assert (layout.BT, layout.NT, layout.total) == (64, 0, 7)
+    assert layout.indices.tolist() == [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2], [4, 0]]
+    assert layout.offsets.tolist() == [0, 2, 2, 3, 6, 7]
+    assert layout.order.tolist() == [3, 0, 2, 4, 1]
+    assert all(t.dtype == torch.int32 for t in (layout.indices, layout.offsets, layout.order))
+    fixed = chunk_mod.chunk_layout(2, 130, 64, None, None)
+    assert (fixed.NT, fixed.total, fixed.indices, fixed.order) == (3, 6, None, None)
+
+
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16, torch.float32])
 def test_state_sweep_stages(monkeypatch, dtype):
     """The pipeline stages the launcher gives the state sweeps, at every head dim and with few or
@@ -555,8 +571,8 @@ KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'pair_fwd': chunk_intra.ch
            'state_output': chunk_state_output.chunk_state_output_fwd_kernel}
 # Buffers the launcher allocates in float32 whatever the input dtype.
 FLOAT32 = {'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg', 'dc', 'dbeta', 'g'}
-OPTIONAL = {'cu_seqlens', 'chunk_indices', 'chunk_offsets', 'h0', 'ht', 'dht', 'dh0', 'A_log', 'dt_bias',
-            'da', 'dbias'}
+OPTIONAL = {'cu_seqlens', 'chunk_indices', 'chunk_offsets', 'seq_order', 'h0', 'ht', 'dht', 'dh0',
+            'A_log', 'dt_bias', 'da', 'dbias'}
 SCALARS = {'T': 'i32', 'NT': 'i32', 'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32', 'lower_bound': 'fp32'}
 
 

@@ -58,7 +58,7 @@ def carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV: tl.constexpr, K: tl.const
 def chunk_state_fwd_kernel(
     kg, kbar, v, beta, gc, Minv,
     h, v_new, h0,
-    cu_seqlens, chunk_offsets,
+    cu_seqlens, chunk_offsets, seq_order,
     T, NT,
     stride_sk, stride_sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -66,7 +66,8 @@ def chunk_state_fwd_kernel(
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
 ):
-    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, T, NT, HV, BT, IS_VARLEN)
+    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV, V,
+                                               BT, BV, IS_VARLEN)
     b_h, _, _ = load_state(h0, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV, USE_INITIAL_STATE)
 
     for i_t in range(tl.cdiv(L, BT)):

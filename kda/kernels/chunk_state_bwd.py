@@ -25,7 +25,7 @@ from kda.kernels.chunk_state import chunk_beta_inverse
 def chunk_state_bwd_kernel(
     qt, kbar, kg, beta, gc, Aqk, Minv, do,
     dh, dv_new, dht, dh0,
-    cu_seqlens, chunk_offsets,
+    cu_seqlens, chunk_offsets, seq_order,
     T, NT,
     stride_sk, stride_sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -33,7 +33,8 @@ def chunk_state_bwd_kernel(
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
 ):
-    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, T, NT, HV, BT, IS_VARLEN)
+    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV, V,
+                                               BT, BV, IS_VARLEN)
     o_t = tl.arange(0, BT)
     b_dh, o_s, m_s = load_state(dht, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV,
                                 USE_FINAL_STATE_GRADIENT)

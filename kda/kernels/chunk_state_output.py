@@ -23,7 +23,7 @@ from kda.kernels.chunk_state import carry_state, chunk_corrections
 def chunk_state_output_fwd_kernel(
     qt, kg, kbar, v, beta, gc, Aqk, Minv,
     o, h, h0, ht,
-    cu_seqlens, chunk_offsets,
+    cu_seqlens, chunk_offsets, seq_order,
     T, NT,
     stride_sk, stride_sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -31,7 +31,8 @@ def chunk_state_output_fwd_kernel(
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_STATES: tl.constexpr,
 ):
-    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, T, NT, HV, BT, IS_VARLEN)
+    i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV, V,
+                                               BT, BV, IS_VARLEN)
     o_t = tl.arange(0, BT)
     # Lower triangle with the diagonal: Aqk's entries above it are never written.
     m_tri = o_t[:, None] >= o_t[None, :]

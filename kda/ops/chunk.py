@@ -38,27 +38,38 @@ BC = 16
 @dataclass(frozen=True)
 class ChunkLayout:
     """Where the chunks are. ``NT``: chunks per sequence (fixed length only); ``total``: chunks
-    over all sequences; for varlen, ``indices[c] = (sequence, chunk within it)`` and
-    ``offsets[n]`` = first global chunk of sequence n."""
+    over all sequences; for varlen, ``indices[c] = (sequence, chunk within it)``,
+    ``offsets[n]`` = first global chunk of sequence n, and ``order``: the sequences longest first,
+    the order in which the state sweeps start them."""
     BT: int
     NT: int
     total: int
     indices: torch.Tensor | None
     offsets: torch.Tensor | None
+    order: torch.Tensor | None
 
 
-def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None, device) -> ChunkLayout:
+def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
+                 cu_seqlens: torch.Tensor | None) -> ChunkLayout:
+    """The chunk map; for varlen built on ``cu_seqlens``' device from it (``seq_offsets`` is its
+    host copy, which gives the sizes). Device operations, not a host-built table copied over: a
+    copy from pageable host memory waits for the GPU to drain first, and the kernels launched
+    after it then start one by one behind the host (H200, the benchmark's varlen batch: 0.23 ms
+    of idle GPU in a 3.65 ms forward)."""
     if seq_offsets is None:
         NT = cdiv(T, BT)
-        return ChunkLayout(BT, NT, B * NT, None, None)
-    counts = [cdiv(e - s, BT) for s, e in zip(seq_offsets, seq_offsets[1:])]
-    pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]
-    firsts = [0]
-    for c in counts:
-        firsts.append(firsts[-1] + c)
-    indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
-    offsets = torch.tensor(firsts, dtype=torch.int32).to(device)
-    return ChunkLayout(BT, 0, len(pairs), indices, offsets)
+        return ChunkLayout(BT, NT, B * NT, None, None, None)
+    N = len(seq_offsets) - 1
+    total = sum(cdiv(e - s, BT) for s, e in zip(seq_offsets, seq_offsets[1:]))
+    cu = cu_seqlens.long()
+    counts = (cu[1:] - cu[:-1] + BT - 1) // BT
+    offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+    # output_size: the size is known here, so repeat_interleave does not read counts back.
+    seq = torch.repeat_interleave(torch.arange(N, device=cu.device), counts, output_size=total)
+    indices = torch.stack([seq, torch.arange(total, device=cu.device) - offsets[seq]], 1)
+    # Stable: sequences of equal length keep their order.
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return ChunkLayout(BT, 0, total, indices.int(), offsets.int(), order.int())
 
 
 # Launch configuration of each chunk kernel: block sizes (capped by the head dims at launch) and
@@ -184,6 +195,11 @@ def gate_launch_args(gate: KernelGate | None) -> dict:
     return dict(A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, GATE=gate.kind)
 
 
+def sweep_grid(N: int, HV: int, V: int, BV: int, varlen: bool) -> tuple[int, ...]:
+    """A state sweep's grid (``sweep_program`` in ``kernels/chunk_common.py``)."""
+    return (N * HV * cdiv(V, BV),) if varlen else (N * HV, cdiv(V, BV))
+
+
 def head_dims(q, v, layout: ChunkLayout, cu_seqlens) -> dict:
     """The compile-time sizes most chunk kernels take (head counts and dims, chunk, dot dtype,
     varlen)."""
@@ -259,9 +275,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     if output_final_state:
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         final_state = torch.empty(shape, dtype=torch.float32, device=dev)
-    chunk_state_output_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
+    chunk_state_output_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
         s1.qt, s1.kg, s1.kbar, v, beta, s1.gc, s1.Aqk, s1.Minv, o, h, initial_state, final_state,
-        cu_seqlens, layout.offsets, T, layout.NT, *state_strides(K, V, state_v_first),
+        cu_seqlens, layout.offsets, layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
         STORE_STATES=store_states, **blocks, **head_dims(q, v, layout, cu_seqlens))
     return o, final_state, s1, h
@@ -283,9 +299,9 @@ def chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first, c
     # In the input dtype: every later product rounds them to it anyway.
     h = torch.empty(layout.total, HV, K, V, dtype=dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    chunk_state_fwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
+    chunk_state_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
         s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens, layout.offsets,
-        T, layout.NT, *state_strides(K, V, state_v_first),
+        layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, **blocks, **head_dims(q, v, layout, cu_seqlens))
     return s1.gc, s1.Aqk, s1.Akk, s1.Minv, s1.kg, h, v_new, s1.kbar, s1.qt
 
@@ -317,9 +333,9 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     # Read only as a matrix-product operand (rounded to the input dtype there): kept in that dtype.
     dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunk_state_bwd_kernel[(N * HV, cdiv(V, blocks['BV']))](
-        qt, kbar, kg, beta, gc, Aqk, Minv, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets, T,
-        layout.NT,
+    chunk_state_bwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
+        qt, kbar, kg, beta, gc, Aqk, Minv, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets,
+        layout.order, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
         **blocks, **common)
@@ -490,7 +506,7 @@ def chunk_kda(
         return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
-    layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, q.device)
+    layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
     # ops it took five float32 passes over [B, T, HV, K] each way (H200, (8, 4096, 16), Kimi
     # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
