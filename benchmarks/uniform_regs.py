@@ -17,18 +17,18 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kda.kernels import chunk_state, chunk_state_bwd, chunk_state_output
+from kda.ops.chunk import DOT_DTYPES
+from kda.ops.offline import compile_sm90
 
 KERNELS = {'state_fwd': chunk_state.chunk_state_fwd_kernel,
            'state_bwd': chunk_state_bwd.chunk_state_bwd_kernel,
            'state_output': chunk_state_output.chunk_state_output_fwd_kernel}
-DTYPES = {'bf16': ('*bf16', tl.bfloat16), 'fp16': ('*fp16', tl.float16), 'fp32': ('*fp32', tl.float32)}
-FLOAT32 = {'gc', 'h0', 'ht', 'dht', 'dh0'}
+DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
+VARLEN = {'cu_seqlens', 'chunk_offsets', 'seq_order'}
 STATE_IO = {'h0', 'ht', 'dht', 'dh0'}
 # (kernel, dtype, K = V, BV, warps, stages): the launch settings in use (kda.ops.chunk) and the
 # build that faulted.
@@ -43,28 +43,14 @@ CASES = [('state_output', 'bf16', 128, 64, 4, 1), ('state_output', 'bf16', 256, 
 def sass(name, dtype, K, BV, warps, stages, flags):
     """Disassembly of one build; ``flags``: initial / final state and stored states on."""
     fn = KERNELS[name]
-    ptr, dot = DTYPES[dtype]
-    values = dict(H=32, HV=32, K=K, V=K, BT=64, BK=K, BV=BV, DOT_DTYPE=dot, IS_VARLEN=False,
-                  USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
-                  USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags)
-    sig, cx, attrs = {}, {}, {}
-    for i, p in enumerate(fn.params):
-        state_out = name == 'state_output' and p.name == 'h'
-        if p.is_constexpr:
-            sig[p.name], cx[p.name] = 'constexpr', values[p.name]
-        elif p.name == 'stride_sv':
-            sig[p.name], cx[p.name] = 'constexpr', 1
-        elif p.name in ('cu_seqlens', 'chunk_offsets', 'seq_order') or (not flags and (p.name in STATE_IO or state_out)):
-            sig[p.name], cx[p.name] = 'constexpr', None
-        elif p.name in ('T', 'NT', 'stride_sk'):
-            sig[p.name], attrs[(i,)] = 'i32', [['tt.divisibility', 16]]
-        else:
-            sig[p.name] = '*fp32' if p.name in FLOAT32 or state_out else ptr
-            attrs[(i,)] = [['tt.divisibility', 16]]
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(n),): x for n, x in cx.items()})
-    kernel = triton.compile(src, target=GPUTarget('cuda', 90, 32),
-                            options=dict(num_warps=warps, num_stages=stages))
+    # stride_sv = 1: the launch compiles an integer argument equal to 1 as a constant.
+    values = dict(H=32, HV=32, K=K, V=K, BT=64, BK=K, BV=BV, DOT_DTYPE=DOT_DTYPES[DTYPES[dtype]],
+                  IS_VARLEN=False, USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
+                  USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags, stride_sv=1)
+    # The fused forward sweep's h (states handed to the user) is optional; the carry's is not.
+    absent = VARLEN if flags else VARLEN | STATE_IO | ({'h'} if name == 'state_output' else set())
+    kernel = compile_sm90(fn, values, DTYPES[dtype], dict(num_warps=warps, num_stages=stages),
+                          absent=absent, specialize=True)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/nvdisasm')
     with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
         f.write(kernel.asm['cubin'])

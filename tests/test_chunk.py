@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import kda.ops.chunk as chunk_mod
 from kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
+from kda.ops.offline import H200_SHARED_MEMORY
 from kda.ops.utils import INTERPRET
 from kda.reference import chunk_kda_reference
 from conftest import (HAS_CUDA, make_cu_seqlens, make_inputs, make_state, reference64, rel_err,
@@ -546,22 +547,18 @@ def test_state_sweep_stages(monkeypatch, dtype):
                     assert stages >= 2, what
 
 
-# Shared memory per block on the H200 (sm_90, opt-in maximum: 227 KiB), as Triton reports it there.
-H200_SHARED_MEMORY = 232448
-
 # Compiles every chunk kernel for sm_90 at the launch configuration the launchers give it, in float32
 # and bf16 (and float16 for the pair products, whose diagonal blocks take another path there; the
 # other kernels' float16 tiles have bf16's sizes): K = V = 128, and for the state sweeps also
 # K = 256 and few programs (FEW_PROGRAMS), the settings that depend on the shape. Prints each
 # kernel's shared memory. A separate process: under TRITON_INTERPRET=1 the kernels are interpreted
-# functions, which Triton cannot compile. float32 is counted for g and the scratch buffers the
-# launcher allocates in float32 whatever the inputs.
+# functions, which Triton cannot compile. Argument types: the launchers', from kda/ops/offline.py
+# (g pre-computed in float32, the float32 scratch buffers, the states handed to the user).
 SHARED_MEMORY_SCRIPT = """
-import concurrent.futures, json, multiprocessing, os, torch, triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import concurrent.futures, json, multiprocessing, os, torch
 import kda.ops.chunk as chunk_mod
 from kda.kernels import chunk_intra, chunk_intra_bwd, chunk_state, chunk_state_bwd, chunk_state_output
+from kda.ops.offline import compile_sm90
 KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'pair_fwd': chunk_intra.chunk_pair_fwd_kernel,
            'solve': chunk_intra.chunk_solve_kernel,
            'intra_bwd': chunk_intra_bwd.chunk_intra_bwd_kernel,
@@ -569,11 +566,6 @@ KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'pair_fwd': chunk_intra.ch
            'gate_bwd': chunk_intra_bwd.chunk_gate_bwd_kernel,
            'state_fwd': chunk_state.chunk_state_fwd_kernel, 'state_bwd': chunk_state_bwd.chunk_state_bwd_kernel,
            'state_output': chunk_state_output.chunk_state_output_fwd_kernel}
-# Buffers the launcher allocates in float32 whatever the input dtype.
-FLOAT32 = {'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg', 'dc', 'dbeta', 'g'}
-OPTIONAL = {'cu_seqlens', 'chunk_indices', 'chunk_offsets', 'seq_order', 'h0', 'ht', 'dht', 'dh0',
-            'A_log', 'dt_bias', 'da', 'dbias'}
-SCALARS = {'T': 'i32', 'NT': 'i32', 'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32', 'lower_bound': 'fp32'}
 
 
 def compile_shared(stage, dtype, K, few):
@@ -587,21 +579,8 @@ def compile_shared(stage, dtype, K, few):
                   GATE='none', FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, **{n: cfg[n] for n in ('BK', 'BV') if n in cfg})
-    ptr = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}[dtype]
-    signature, constexprs = {}, {}
-    for p in fn.params:
-        if p.is_constexpr:
-            signature[p.name], constexprs[p.name] = 'constexpr', values[p.name]
-        elif p.name in OPTIONAL:
-            signature[p.name], constexprs[p.name] = 'constexpr', None
-        else:
-            # The fused forward sweep stores the states handed to the user in float32.
-            f32 = p.name in FLOAT32 or (stage == 'state_output' and p.name == 'h')
-            signature[p.name] = SCALARS.get(p.name, '*fp32' if f32 else ptr)
-    src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(fn.arg_names.index(n),): x for n, x in constexprs.items()})
     options = {n: cfg[n] for n in ('num_warps', 'num_stages', 'maxnreg') if n in cfg}
-    return str(cfg), triton.compile(src, target=GPUTarget('cuda', 90, 32), options=options).metadata.shared
+    return str(cfg), compile_sm90(fn, values, dtype, options).metadata.shared
 
 
 def row(case):
