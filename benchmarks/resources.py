@@ -37,7 +37,7 @@ def report(name, fn, values, dtype, launches, **signature_options):
         out = r.stderr + r.stdout
         lines = [l for l in out.splitlines() if 'registers' in l or 'spill' in l or 'stack' in l] or [out[-300:]]
         label = f'{name} w{num_warps} s{num_stages}' + (f' r{maxnreg}' if maxnreg else '')
-        print(label, 'shared', k.metadata.shared, '|', ' | '.join(l.split('ptxas info    :')[-1].strip() for l in lines))
+        print(label, 'shared', k.metadata.shared, '|', ' | '.join(l.split('info    :')[-1].strip() for l in lines))
 
 
 bf = '*bf16'

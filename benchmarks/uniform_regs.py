@@ -38,19 +38,24 @@ CASES = [('state_output', 'bf16', 128, 64, 4, 1), ('state_output', 'bf16', 256, 
          ('state_fwd', 'bf16', 128, 16, 4, 2), ('state_fwd', 'fp32', 256, 32, 4, 1),
          ('state_bwd', 'bf16', 128, 64, 4, 2), ('state_bwd', 'bf16', 128, 32, 8, 3),
          ('state_fwd', 'bf16', 128, 16, 4, 1)]
+# The many-program settings in use again with varlen (the sweeps' other program mapping).
+VARLEN_CASES = [('state_output', 'bf16', 128, 64, 4, 1), ('state_fwd', 'bf16', 128, 64, 4, 2),
+                ('state_bwd', 'bf16', 128, 64, 4, 2)]
 
 
-def sass(name, dtype, K, BV, warps, stages, flags):
+def sass(name, dtype, K, BV, warps, stages, flags, varlen=False):
     """Disassembly of one build; ``flags``: initial / final state and stored states on."""
     fn = KERNELS[name]
-    # stride_sv = 1: the launch compiles an integer argument equal to 1 as a constant.
     values = dict(H=32, HV=32, K=K, V=K, BT=64, BK=K, BV=BV, DOT_DTYPE=DOT_DTYPES[DTYPES[dtype]],
-                  IS_VARLEN=False, USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
-                  USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags, stride_sv=1)
+                  IS_VARLEN=varlen, USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
+                  USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags)
     # The fused forward sweep's h (states handed to the user) is optional; the carry's is not.
-    absent = VARLEN if flags else VARLEN | STATE_IO | ({'h'} if name == 'state_output' else set())
+    absent = set() if varlen else set(VARLEN)
+    if not flags:
+        absent |= STATE_IO | ({'h'} if name == 'state_output' else set())
+    # stride_sv = 1: the launch compiles an integer argument equal to 1 as a constant.
     kernel = compile_sm90(fn, values, DTYPES[dtype], dict(num_warps=warps, num_stages=stages),
-                          absent=absent, specialize=True)
+                          absent=absent, constants=dict(stride_sv=1), specialize=True)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/nvdisasm')
     with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
         f.write(kernel.asm['cubin'])
@@ -87,11 +92,13 @@ def undefined_reads(code):
 
 def main():
     print(f'triton {triton.__version__}')
-    for case in CASES:
-        for flags in (False, True):
-            found = undefined_reads(sass(*case, flags))
-            print(case, 'with states' if flags else '', 'reads before writes:',
-                  ', '.join(f'{r} at {a} ({o})' for a, o, r in found) or 'none', flush=True)
+    for varlen, cases in ((False, CASES), (True, VARLEN_CASES)):
+        for case in cases:
+            for flags in (False, True):
+                found = undefined_reads(sass(*case, flags, varlen))
+                print(case, 'varlen' if varlen else '', 'with states' if flags else '',
+                      'reads before writes:', ', '.join(f'{r} at {a} ({o})' for a, o, r in found) or 'none',
+                      flush=True)
 
 
 if __name__ == '__main__':

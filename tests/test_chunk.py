@@ -235,6 +235,8 @@ MATRIX = [
     ('varlen-BT64-vfirst-l2', None, dict(chunk_size=64, lengths=[40, 0, 1, 29], H=1, HV=2, K=32, V=24,
                                          state_v_first=True, l2=True)),
     ('varlen-BT32-gva-noh0', None, dict(chunk_size=32, lengths=[33, 3, 32], H=2, HV=4, K=16, V=16, h0=False)),
+    # Two 64-wide value slices: the varlen sweeps' 1-D grid decodes the slice (sweep_program).
+    ('varlen-BT32-V72', None, dict(chunk_size=32, lengths=[7, 40, 0, 33], H=1, HV=2, K=16, V=72)),
 ]
 
 
@@ -511,13 +513,14 @@ def test_launch_rules(monkeypatch, rule):
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
 
 
-def test_chunk_layout_varlen():
+@pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
+def test_chunk_layout_varlen(dtype):
     """The varlen chunk map: (sequence, chunk) per global chunk, each sequence's first chunk, and
-    the sweeps' start order, longest first with ties in sequence order. A wrong order is not
+    the sweeps' start order, most chunks first with ties in sequence order. A wrong order is not
     caught by the numerical tests when it is a permutation (every sequence still runs), so the
     order itself is pinned here."""
     offsets = [0, 70, 70, 71, 200, 264]          # lengths 70, 0, 1, 129, 64 -> chunks 2, 0, 1, 3, 1
-    layout = chunk_mod.chunk_layout(1, 264, 64, offsets, torch.tensor(offsets).to(KDEV))
+    layout = chunk_mod.chunk_layout(1, 264, 64, offsets, torch.tensor(offsets, dtype=dtype).to(KDEV))
     assert (layout.BT, layout.NT, layout.total) == (64, 0, 7)
     assert layout.indices.tolist() == [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2], [4, 0]]
     assert layout.offsets.tolist() == [0, 2, 2, 3, 6, 7]

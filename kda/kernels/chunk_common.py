@@ -61,7 +61,7 @@ def sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV: tl.constexpr,
     """A state sweep's program. Fixed length: (sequence, value head) on grid axis 0, which allows
     2^31 - 1 programs (axis 1 stops at 65535), value slice on axis 1. Varlen: one axis of
     (sequence, value head, value slice), the slice innermost, the sequences in ``seq_order``
-    (longest first). A sweep lasts as long as its longest chain of chunks; where more programs
+    (most chunks first). A sweep lasts as long as its longest chain of chunks; where more programs
     than fit the GPU run one after another, a long sequence started last lengthens it, and the
     slices of one head started together share their key-side tiles in L2 (H200, the benchmark's
     varlen batch, 32768 tokens in 8 sequences, against the fixed-length order: gradient sweep

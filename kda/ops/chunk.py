@@ -39,8 +39,8 @@ BC = 16
 class ChunkLayout:
     """Where the chunks are. ``NT``: chunks per sequence (fixed length only); ``total``: chunks
     over all sequences; for varlen, ``indices[c] = (sequence, chunk within it)``,
-    ``offsets[n]`` = first global chunk of sequence n, and ``order``: the sequences longest first,
-    the order in which the state sweeps start them."""
+    ``offsets[n]`` = first global chunk of sequence n, and ``order``: the sequences by chunk count,
+    most first, the order in which the state sweeps start them."""
     BT: int
     NT: int
     total: int
@@ -64,10 +64,11 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
     cu = cu_seqlens.long()
     counts = (cu[1:] - cu[:-1] + BT - 1) // BT
     offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
-    # output_size: the size is known here, so repeat_interleave does not read counts back.
-    seq = torch.repeat_interleave(torch.arange(N, device=cu.device), counts, output_size=total)
+    # output_size: the size is known here, so repeat_interleave does not read counts back. It
+    # trusts cu_seqlens_cpu to hold cu_seqlens' values (API.md); checking would cost the sync.
+    seq = torch.repeat_interleave(counts, output_size=total)
     indices = torch.stack([seq, torch.arange(total, device=cu.device) - offsets[seq]], 1)
-    # Stable: sequences of equal length keep their order.
+    # Stable: sequences of as many chunks keep their order.
     order = torch.sort(counts, descending=True, stable=True).indices
     return ChunkLayout(BT, 0, total, indices.int(), offsets.int(), order.int())
 
@@ -477,6 +478,8 @@ def chunk_kda(
     state (and A_log, dt_bias with the in-kernel gate), including gradients arriving through the
     final state. A log-decay above 0 (outside the contract) or NaN makes the outputs of its chunk
     and of everything after it NaN for that head; it is never clamped into a plausible answer.
+    ``cu_seqlens_cpu``, when given, must hold ``cu_seqlens``' values: the chunk map is sized from it
+    without reading ``cu_seqlens`` back (that would cost a sync), so a mismatch is not detected.
 
     Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``
     (inference only): ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]``

@@ -21,6 +21,9 @@ FLOAT32 = frozenset({'g', 'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg', 'dc', '
 # Arguments a launch may pass as None (varlen tensors, states, the gate's parameters).
 OPTIONAL = frozenset({'cu_seqlens', 'chunk_indices', 'chunk_offsets', 'seq_order', 'h0', 'ht', 'dht',
                       'dh0', 'A_log', 'dt_bias', 'da', 'dbias'})
+# Integer tensors: the chunk map the launcher builds, and cu_seqlens in the caller's dtype (int64 in
+# the README's example and the benchmark).
+INTEGERS = {'cu_seqlens': '*i64', 'chunk_indices': '*i32', 'chunk_offsets': '*i32', 'seq_order': '*i32'}
 SCALARS = {'T': 'i32', 'NT': 'i32', 'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32',
            'lower_bound': 'fp32'}
 POINTERS = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}
@@ -30,6 +33,8 @@ H200_SHARED_MEMORY = 232448
 
 def pointer_type(fn, name: str, dtype: torch.dtype) -> str:
     """The launcher's dtype for pointer argument ``name`` of ``fn`` at input dtype ``dtype``."""
+    if name in INTEGERS:
+        return INTEGERS[name]
     # The fused forward sweep stores the states handed to the user (``h``) in float32; the carry
     # stores its states for the backward in the input dtype.
     float32 = name in FLOAT32 or (fn.fn.__name__ == 'chunk_state_output_fwd_kernel' and name == 'h')
@@ -37,19 +42,20 @@ def pointer_type(fn, name: str, dtype: torch.dtype) -> str:
 
 
 def launch_signature(fn, values: dict, dtype: torch.dtype, absent=OPTIONAL, pointers=None,
-                     specialize: bool = False):
+                     constants=None, specialize: bool = False):
     """``(signature, constexprs, attrs)`` of ``fn`` for ``triton.compile``.
 
-    ``values``: every constexpr parameter's value, and any other argument to compile as a constant
-    (as the launch does with an integer equal to 1). ``absent``: arguments passed as None.
-    ``pointers``: pointer dtypes that differ from ``pointer_type``'s (a raw bf16 gate).
-    ``specialize``: the divisibility the launch gives 16-byte aligned pointers and integers
+    ``values``: every constexpr parameter's value (other keys are not read). ``absent``: arguments
+    passed as None. ``pointers``: pointer dtypes that differ from ``pointer_type``'s (a raw bf16
+    gate). ``constants``: runtime arguments the launch compiles as constants (an integer equal to
+    1). ``specialize``: the divisibility the launch gives 16-byte aligned pointers and integers
     divisible by 16; the compiled code differs without it (BENCHMARKS.md note 45)."""
-    pointers = pointers or {}
+    pointers, constants = pointers or {}, constants or {}
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
-        if p.is_constexpr or p.name in values:
-            signature[p.name], constexprs[p.name] = 'constexpr', values[p.name]
+        if p.is_constexpr or p.name in constants:
+            signature[p.name] = 'constexpr'
+            constexprs[p.name] = values[p.name] if p.is_constexpr else constants[p.name]
         elif p.name in absent:
             signature[p.name], constexprs[p.name] = 'constexpr', None
         else:
