@@ -59,7 +59,6 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
     if seq_offsets is None:
         NT = cdiv(T, BT)
         return ChunkLayout(BT, NT, B * NT, None, None, None)
-    N = len(seq_offsets) - 1
     total = sum(cdiv(e - s, BT) for s, e in zip(seq_offsets, seq_offsets[1:]))
     cu = cu_seqlens.long()
     counts = (cu[1:] - cu[:-1] + BT - 1) // BT
