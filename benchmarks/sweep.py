@@ -65,7 +65,8 @@ CANDIDATES = {
     'state_fwd': [cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 4, 3)],
     'state_bwd': [cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 4, 3)],
     'state_output': [cfg(None, 64, 4, 1), cfg(None, 64, 8, 1), cfg(None, 32, 4, 1), cfg(None, 64, 4, 2)],
-    'state_output_few': [cfg(None, 16, 4, 2), cfg(None, 32, 4, 2), cfg(None, 16, 8, 2), cfg(None, 16, 4, 3)],
+    'state_output_few': [cfg(None, 16, 4, 2), cfg(None, 32, 4, 2), cfg(None, 16, 8, 2), cfg(None, 16, 4, 3),
+                         cfg(None, 64, 4, 2), cfg(None, 64, 4, 1), cfg(None, 32, 4, 1)],
 }
 # (B, T, H, Kimi lower-bound gate)
 SHAPES = {stage: [(8, 4096, 16, False)] for stage in CANDIDATES}

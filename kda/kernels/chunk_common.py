@@ -119,6 +119,28 @@ def store_tile(base, x, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr
 
 
 @triton.jit
+def load_tile_t(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """``load_tile`` transposed: the float32 ``[BC, BR]`` tile whose entry ``[c, r]`` is row
+    ``row0 + r``, column ``col0 + c``."""
+    o_r = row0 + tl.arange(0, BR)
+    o_c = col0 + tl.arange(0, BC)
+    m = (o_c < n_cols)[:, None] & (o_r < n_rows)[None, :]
+    p = base + o_r[None, :].to(tl.int64) * row_stride + o_c[:, None]
+    return tl.load(p, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def store_tile_t(base, x, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """``store_tile`` of the transposed ``[BC, BR]`` tile ``x`` (entry ``[c, r]`` to row
+    ``row0 + r``, column ``col0 + c``)."""
+    o_r = row0 + tl.arange(0, BR)
+    o_c = col0 + tl.arange(0, BC)
+    m = (o_c < n_cols)[:, None] & (o_r < n_rows)[None, :]
+    p = base + o_r[None, :].to(tl.int64) * row_stride + o_c[:, None]
+    tl.store(p, x.to(base.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def load_row(base, row, n_rows, row_stride, col0, n_cols, BC: tl.constexpr):
     """One float32 row ``[BC]``; zero when ``row >= n_rows`` (nothing past the tile is read)."""
     o_c = col0 + tl.arange(0, BC)

@@ -11,14 +11,16 @@ and the forward's ``O = Qt h_c + Aqk dV``, ``dV = M diag(beta) (V - Kg h_c)``,
 
 (the last term is the WY form's ``W^T d(dV)``, ``W = M diag(beta) Kg``, never formed).
 
-The last ``dS`` is the gradient of the initial state.
+The last ``dS`` is the gradient of the initial state. Held and formed transposed, as the forward
+sweeps do (``chunk_state.py``): ``d(dV)^T = dO^T Aqk + dS^T Kbar^T``,
+``dS^T <- dS^T Diag(exp(c_last)) + dO^T Qt - d(dV)^T M diag(beta) Kg``.
 """
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile, mm, store_tile,
-                                      sweep_program)
-from kda.kernels.chunk_state import chunk_beta_inverse
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile, load_tile_t, mm,
+                                      store_tile_t, sweep_program)
+from kda.kernels.chunk_state import chunk_beta_inverse_t
 
 
 @triton.jit
@@ -38,25 +40,26 @@ def chunk_state_bwd_kernel(
     o_t = tl.arange(0, BT)
     b_dh, o_s, m_s = load_state(dht, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV,
                                 USE_FINAL_STATE_GRADIENT)
+    b_dht = tl.trans(b_dh)
 
     for i_r in range(tl.cdiv(L, BT)):
         i_t = tl.cdiv(L, BT) - 1 - i_r
         row0 = bos + i_t * BT
         n = tl.minimum(L - i_t * BT, BT)
-        store_tile(dh + ((c0 + i_t) * HV + i_hv) * K * V, b_dh, 0, K, V, i_v * BV, V, BK, BV)
-        b_do = load_tile(do + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
+        store_tile_t(dh + ((c0 + i_t) * HV + i_hv) * K * V, b_dht, 0, K, V, i_v * BV, V, BK, BV)
+        b_dot = load_tile_t(do + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_A = load_tile(Aqk + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
         b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.)
-        b_kbar = load_tile(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+        b_kbart = load_tile_t(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
         b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
-        b_ddv = mm(tl.trans(b_A), b_do, DOT_DTYPE) + mm(b_kbar, b_dh, DOT_DTYPE)
-        store_tile(dv_new + row0 * HV * V + i_hv * V, b_ddv, 0, n, HV * V, i_v * BV, V, BT, BV)
+        b_ddvt = mm(b_dot, b_A, DOT_DTYPE) + mm(b_dht, b_kbart, DOT_DTYPE)
+        store_tile_t(dv_new + row0 * HV * V + i_hv * V, b_ddvt, 0, n, HV * V, i_v * BV, V, BT, BV)
         b_qt = load_tile(qt + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
         b_kg = load_tile(kg + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-        b_beta, b_M = chunk_beta_inverse(beta, Minv, row0, n, i_hv, HV, BT)
-        b_x = mm(tl.trans(b_M), b_ddv, DOT_DTYPE) * b_beta[:, None]
-        b_dh = (b_dh * exp_nonpos(b_last)[:, None] + mm(tl.trans(b_qt), b_do, DOT_DTYPE)
-                - mm(tl.trans(b_kg), b_x, DOT_DTYPE))
+        b_beta, b_Mt = chunk_beta_inverse_t(beta, Minv, row0, n, i_hv, HV, BT)
+        b_xt = mm(b_ddvt, tl.trans(b_Mt), DOT_DTYPE) * b_beta[None, :]
+        b_dht = (b_dht * exp_nonpos(b_last)[None, :] + mm(b_dot, b_qt, DOT_DTYPE)
+                 - mm(b_xt, b_kg, DOT_DTYPE))
 
     if STORE_INITIAL_STATE_GRADIENT:
-        tl.store(dh0 + o_s, b_dh, mask=m_s)
+        tl.store(dh0 + o_s, tl.trans(b_dht), mask=m_s)

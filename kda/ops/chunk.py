@@ -26,7 +26,7 @@ from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import KernelGate, activate_beta, activate_gate
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
-from kda.ops.utils import cdiv, contiguous, next_pow2, state_strides, use_kernels
+from kda.ops.utils import cdiv, contiguous, fork, join, next_pow2, state_strides, use_kernels
 from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
 from kda.reference import chunk_kda_reference
 
@@ -89,6 +89,8 @@ TUNING = {
     # H200 sweep at e525316, (8, 4096, 16) / (1, 8192, 96), ms a call: 0.418 / 0.791 with 1 stage
     # against 0.539 / 1.073 with 2 and 0.682 / 1.332 with 3; 32-wide 0.546 / 1.184, 8 warps
     # 0.692 / 1.351 (2 stages). The W/U kernel, carry and output kernel it replaces took 0.75.
+    # Transposed (chunk_state.py), sweep in the ninth session: 0.387 / 0.728 (8 warps 0.695, 32-wide
+    # 0.655, 2 stages 0.545).
     'state_output': dict(BV=64, num_warps=4, num_stages=1),
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
     # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
@@ -125,8 +127,15 @@ TUNING = {
 # (f3e12c9) the carry takes 1.419 16-wide (32-wide 1.496) and the gradient sweep 1.961 with 3
 # stages (2 stages 1.975, 16-wide 3.592): 0.22 and 0.29 ms more than the WY form's, whose W/U
 # kernel (~0.48 ms) they no longer need.
-FEW_PROGRAMS = {'state_fwd': dict(BV=16), 'state_output': dict(BV=32, num_stages=2),
-                'state_bwd': dict(num_warps=8, num_stages=3)}
+# The transposed sweeps (ninth session, S^T kept so that every state-dependent operand is a
+# register-resident left operand; the backward's carry beside its gradient sweep, see
+# chunk_kda_bwd), fwd + bwd at (1, 32768, 32), ms a step: carry 32-wide and gradient sweep with 4
+# warps and 3 stages 15.07, with 2 stages 15.20; with the earlier settings (carry 16-wide, 8 warps
+# for the gradient sweep, which then fills an SM's registers alone and leaves the carry none)
+# 16.02. Alone, the transposed fused forward sweep takes 1.551 32-wide (16-wide 1.559, 64-wide
+# 2.098).
+FEW_PROGRAMS = {'state_fwd': dict(BV=32), 'state_output': dict(BV=32, num_stages=2),
+                'state_bwd': dict(num_warps=4, num_stages=3)}
 
 
 @functools.cache
@@ -169,6 +178,10 @@ def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
     cfg['BK'] = next_pow2(K)
     if cfg['BK'] > 128:
         cfg['BV'] = min(cfg['BV'], 32)
+        # Past two stages the [256, 64] key-side tiles' pipeline buffers outgrow shared memory:
+        # the gradient sweep with few programs asked 256 KiB with 3 (bf16, triton 3.6, found on the
+        # H200 at the transposed sweeps; test_launch_shared_memory).
+        cfg['num_stages'] = min(cfg.get('num_stages', 2), 2)
     if dtype == torch.float32:
         # float32 tiles double the pipeline buffers (the H200 has 227 KiB of shared memory): the
         # gradient sweep asks 256 KiB at K = 128 with 3 stages (136 KiB with 2; found by the GPU
@@ -322,9 +335,22 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     BT = layout.BT
     dev = q.device
     common = head_dims(q, v, layout, cu_seqlens)
+    side = None
     if saved is None:
-        saved = chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first,
-                                    cu_seqlens, layout, gate, matrices)
+        s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices)
+        # The carry and the gradient sweep below read only stage 1's tensors. Where their programs
+        # make at most 1.5 waves, each leaves SMs idle for much of its time, and the carry runs on
+        # a side stream beside the gradient sweep (H200, fwd + bwd, ms a step: (1, 32768, 32)
+        # 15.78 -> 15.07 with FEW_PROGRAMS' settings; (1, 8192, 96), 192 programs a sweep for 132
+        # SMs, 11.39 -> 11.04; but (8, 4096, 16), 256 programs, 7.12 -> 7.17 and the varlen batch,
+        # 512, 14.47 -> 14.52).
+        carry = state_launch_config('state_fwd', K, V, N * HV, dev, q.dtype)
+        if 2 * N * HV * cdiv(V, carry['BV']) <= 3 * sm_count(dev):
+            side = fork(dev)
+        with torch.cuda.stream(side):
+            saved = chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first,
+                                        cu_seqlens, layout, gate, stage1=s1)
+        s1 = None
     gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt = saved
     saved = None
 
@@ -339,6 +365,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
         **blocks, **common)
+    join(side, h, v_new)
     # Read by no later kernel: freed before the per-token gradients are allocated (the peak).
     del kbar, qt, kg
 

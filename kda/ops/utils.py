@@ -1,6 +1,7 @@
 """Small helpers shared by the launchers."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -36,3 +37,30 @@ def state_strides(K: int, V: int, state_v_first: bool) -> tuple[int, int]:
     """Element strides (between key rows, between value columns) of a ``[K, V]`` state stored as
     ``[K, V]`` or, value-major, ``[V, K]``."""
     return (1, K) if state_v_first else (V, 1)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def fork(device: torch.device) -> torch.cuda.Stream | None:
+    """A side stream of ``device`` that has waited for the current stream's work so far (None off
+    CUDA, where ``torch.cuda.stream(None)`` does nothing): launches under
+    ``torch.cuda.stream(side)`` then run beside the current stream's next ones until ``join``."""
+    if device.type != 'cuda':
+        return None
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def join(side: torch.cuda.Stream | None, *allocated):
+    """The current stream waits for ``side``; the tensors ``allocated`` on it may then be used and
+    freed on the current stream (``record_stream``)."""
+    if side is None:
+        return
+    current = torch.cuda.current_stream(side.device)
+    current.wait_stream(side)
+    for t in allocated:
+        t.record_stream(current)
