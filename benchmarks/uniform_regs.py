@@ -30,25 +30,28 @@ KERNELS = {'state_fwd': chunk_state.chunk_state_fwd_kernel,
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
 VARLEN = {'cu_seqlens', 'chunk_offsets', 'seq_order'}
 STATE_IO = {'h0', 'ht', 'dht', 'dh0'}
-# (kernel, dtype, K = V, BV, warps, stages): the launch settings in use (kda.ops.chunk) and the
-# build that faulted.
-CASES = [('state_output', 'bf16', 128, 64, 4, 1), ('state_output', 'bf16', 256, 32, 4, 1),
-         ('state_output', 'fp16', 128, 64, 4, 1), ('state_output', 'fp32', 128, 64, 4, 1),
-         ('state_output', 'bf16', 128, 32, 4, 2), ('state_fwd', 'bf16', 128, 64, 4, 2),
-         ('state_fwd', 'bf16', 128, 16, 4, 2), ('state_fwd', 'fp32', 256, 32, 4, 1),
-         ('state_bwd', 'bf16', 128, 64, 4, 2), ('state_bwd', 'bf16', 128, 32, 8, 3),
-         ('state_fwd', 'bf16', 128, 16, 4, 1)]
+# (kernel, dtype, K = V, BV, warps, stages, transposed): the launch settings in use (kda.ops.chunk;
+# the carry and the gradient sweep transposed with few programs, the fused forward sweep always)
+# and the build that faulted.
+CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_output', 'bf16', 256, 32, 4, 1, True),
+         ('state_output', 'fp16', 128, 64, 4, 1, True), ('state_output', 'fp32', 128, 64, 4, 1, True),
+         ('state_output', 'bf16', 128, 32, 4, 2, True), ('state_output', 'bf16', 256, 32, 4, 2, True),
+         ('state_fwd', 'bf16', 128, 64, 4, 2, False), ('state_fwd', 'bf16', 128, 64, 4, 2, True),
+         ('state_fwd', 'bf16', 128, 32, 4, 2, True), ('state_fwd', 'fp32', 256, 32, 4, 1, False),
+         ('state_bwd', 'bf16', 128, 64, 4, 2, False), ('state_bwd', 'bf16', 128, 64, 4, 2, True),
+         ('state_bwd', 'bf16', 128, 32, 4, 3, True), ('state_bwd', 'bf16', 256, 32, 4, 2, True),
+         ('state_fwd', 'bf16', 128, 16, 4, 1, False)]
 # The many-program settings in use again with varlen (the sweeps' other program mapping).
-VARLEN_CASES = [('state_output', 'bf16', 128, 64, 4, 1), ('state_fwd', 'bf16', 128, 64, 4, 2),
-                ('state_bwd', 'bf16', 128, 64, 4, 2)]
+VARLEN_CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_fwd', 'bf16', 128, 64, 4, 2, False),
+                ('state_bwd', 'bf16', 128, 64, 4, 2, False)]
 
 
-def sass(name, dtype, K, BV, warps, stages, flags, varlen=False):
+def sass(name, dtype, K, BV, warps, stages, transposed, flags, varlen=False):
     """Disassembly of one build; ``flags``: initial / final state and stored states on."""
     fn = KERNELS[name]
     values = dict(H=32, HV=32, K=K, V=K, BT=64, BK=K, BV=BV, DOT_DTYPE=DOT_DTYPES[DTYPES[dtype]],
                   IS_VARLEN=varlen, USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
-                  USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags)
+                  USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags, TRANSPOSED=transposed)
     # The fused forward sweep's h (states handed to the user) is optional; the carry's is not.
     absent = set() if varlen else set(VARLEN)
     if not flags:

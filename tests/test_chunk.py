@@ -513,6 +513,36 @@ def test_launch_rules(monkeypatch, rule):
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
 
 
+@requires_kernels
+@pytest.mark.parametrize('case', ['T45-BT32-K60-V48-vfirst', 'T37-BT32-gva24-noh0-nofinal', 'varlen-BT32-V72',
+                                  'varlen-BT64-vfirst-l2'])
+def test_transposed_sweeps(monkeypatch, case):
+    """The backward's carry and gradient sweep holding the state transposed, as they do where their
+    programs make at most 1.5 waves (forced by claiming a huge GPU, which also applies
+    FEW_PROGRAMS; with the interpreter's one "SM" they run the other orientation everywhere
+    else): the float64 checks of the matrix case, and the launches seen transposed."""
+    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((self.kernel.fn.__name__, kwargs['TRANSPOSED']))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ('chunk_state_fwd_kernel', 'chunk_state_bwd_kernel'):
+        monkeypatch.setattr(chunk_mod, name, Spy(getattr(chunk_mod, name)))
+    shape, opts = next((s, dict(o)) for i, s, o in MATRIX if i == case)
+    if shape is None:
+        shape = (1, 0, opts.pop('H'), opts.pop('HV'), opts.pop('K'), opts.pop('V'))
+    check_case(*shape, **opts)
+    assert sorted(set(seen)) == [('chunk_state_bwd_kernel', True), ('chunk_state_fwd_kernel', True)]
+
+
 @pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
 def test_chunk_layout_varlen(dtype):
     """The varlen chunk map: (sequence, chunk) per global chunk, each sequence's first chunk, and
@@ -571,7 +601,7 @@ KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'pair_fwd': chunk_intra.ch
            'state_output': chunk_state_output.chunk_state_output_fwd_kernel}
 
 
-def compile_shared(stage, dtype, K, few):
+def compile_shared(stage, dtype, K, few, transposed):
     chunk_mod.sm_count = lambda device: 10 ** 6 if few else 1
     fn = KERNELS[stage]
     if stage.startswith('state_'):
@@ -581,7 +611,8 @@ def compile_shared(stage, dtype, K, few):
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
                   GATE='none', FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
-                  STORE_INITIAL_STATE_GRADIENT=False, **{n: cfg[n] for n in ('BK', 'BV') if n in cfg})
+                  STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,
+                  **{n: cfg[n] for n in ('BK', 'BV') if n in cfg})
     options = {n: cfg[n] for n in ('num_warps', 'num_stages', 'maxnreg') if n in cfg}
     # specialize: the launches' tensors are 16-byte aligned with strides divisible by 16, and the
     # build that knows it pipelines its loads through shared memory (the larger ask: the gradient
@@ -590,15 +621,21 @@ def compile_shared(stage, dtype, K, few):
 
 
 def row(case):
-    stage, dtype, K, few = case
-    return [stage, str(dtype), K, few, *compile_shared(stage, dtype, K, few)]
+    stage, dtype, K, few, transposed = case
+    return [stage, str(dtype), K, few, transposed, *compile_shared(stage, dtype, K, few, transposed)]
 
 
-cases = [('pair_fwd', torch.float16, 128, False)]
+# The fused forward sweep runs transposed always; the carry and the gradient sweep either way with
+# many programs (transposed up to 1.5 waves, kda.ops.chunk.few_programs), transposed with few.
+cases = [('pair_fwd', torch.float16, 128, False, False)]
 for dtype in (torch.float32, torch.bfloat16):
     for stage in KERNELS:
-        shapes = [(K, few) for K in (128, 256) for few in (False, True)] if stage.startswith('state_') else [(128, False)]
-        cases += [(stage, dtype, K, few) for K, few in shapes]
+        if not stage.startswith('state_'):
+            cases.append((stage, dtype, 128, False, False))
+            continue
+        for K in (128, 256):
+            cases += [(stage, dtype, K, True, True)] + [(stage, dtype, K, False, t) for t in (True, False)
+                                                        if t or stage != 'state_output']
 # One compile per process, all cores: one after another they took > 150 s on the 16-core GPU host,
 # where this test's shard of the GPU suite ran out of time twice (f89fb07, c985605).
 workers = min(len(cases), len(os.sched_getaffinity(0)))
@@ -624,7 +661,7 @@ def test_launch_shared_memory():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 39
+    assert len(rows) == 47
     too_big = [r for r in rows if r[-1] > H200_SHARED_MEMORY]
     assert not too_big, f"over {H200_SHARED_MEMORY} B of shared memory: {too_big}"
 

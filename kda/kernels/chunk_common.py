@@ -141,6 +141,73 @@ def store_tile_t(base, x, row0, n_rows, row_stride, col0, n_cols, BR: tl.constex
 
 
 @triton.jit
+def load_tile_o(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """Tile X (``load_tile``) as a state sweep holds it: as is, or transposed (``load_tile_t``)."""
+    if TRANSPOSED:
+        return load_tile_t(base, row0, n_rows, row_stride, col0, n_cols, BR, BC)
+    else:
+        return load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR, BC)
+
+
+@triton.jit
+def load_tile_ot(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr,
+                 TRANSPOSED: tl.constexpr):
+    """X^T for tile X (``load_tile``) as a state sweep holds it: transposed, that is X itself."""
+    if TRANSPOSED:
+        return load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR, BC)
+    else:
+        return tl.trans(load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR, BC))
+
+
+@triton.jit
+def store_tile_o(base, x, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr,
+                 TRANSPOSED: tl.constexpr):
+    """``store_tile`` of a tile a state sweep holds as is or transposed."""
+    if TRANSPOSED:
+        store_tile_t(base, x, row0, n_rows, row_stride, col0, n_cols, BR, BC)
+    else:
+        store_tile(base, x, row0, n_rows, row_stride, col0, n_cols, BR, BC)
+
+
+@triton.jit
+def mm_o(a, b, DOT_DTYPE: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``A B`` from A, B held as is or transposed, in the same orientation: ``(A B)^T = B^T A^T``."""
+    if TRANSPOSED:
+        return mm(b, a, DOT_DTYPE)
+    else:
+        return mm(a, b, DOT_DTYPE)
+
+
+@triton.jit
+def rows_o(x, TRANSPOSED: tl.constexpr):
+    """A vector with one entry per row of a matrix held as is or transposed, broadcast to it."""
+    if TRANSPOSED:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def lower_o(BT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The lower triangle with the diagonal of a ``[BT, BT]`` matrix held as is or transposed."""
+    o_t = tl.arange(0, BT)
+    if TRANSPOSED:
+        return o_t[None, :] >= o_t[:, None]
+    else:
+        return o_t[:, None] >= o_t[None, :]
+
+
+@triton.jit
+def oriented(x, TRANSPOSED: tl.constexpr):
+    """``x`` or ``x^T``: a state slice between its stored ``[BK, BV]`` form and a sweep's."""
+    if TRANSPOSED:
+        return tl.trans(x)
+    else:
+        return x
+
+
+@triton.jit
 def load_row(base, row, n_rows, row_stride, col0, n_cols, BC: tl.constexpr):
     """One float32 row ``[BC]``; zero when ``row >= n_rows`` (nothing past the tile is read)."""
     o_c = col0 + tl.arange(0, BC)

@@ -15,53 +15,61 @@ stages. The forward runs the same steps fused with the outputs
 (``chunk_state_output.py``). One program owns a ``[K, BV]`` slice of one sequence's state for one
 value head and walks that sequence's chunks; the state stays in registers in float32.
 
-The sweeps hold the state transposed, ``S^T`` ``[BV, K]``, and form every product transposed
-(``dV^T = (V^T - S^T Kg^T) diag(beta) M^T``, ``S^T <- S^T Diag(exp(c_last)) + dV^T Kbar``), so
-that whatever depends on the state is the left operand, which the tensor cores take from
-registers; the right operands are the chunk's loaded tiles. In the other orientation the state
-and the corrections went through shared memory as right operands at every chunk step, the wait
-that dominated the few-program sweeps (ncu at (1, 32768, 32): 56 % of stalls; BENCHMARKS.md
-note 56). H200, ms a call, transposed against not: (1, 32768, 32) carry 1.365 / 1.413, fused
-forward sweep 1.549 / 1.811, gradient sweep 1.290 / 1.970; (8, 4096, 16) 0.369 / 0.346,
-0.384 / 0.414, 0.566 / 0.473 (the many-program sweeps' loss is not understood).
+``TRANSPOSED``: the sweep holds the state transposed, ``S^T`` ``[BV, K]``, and forms every
+product transposed (``dV^T = (V^T - S^T Kg^T) diag(beta) M^T``,
+``S^T <- S^T Diag(exp(c_last)) + dV^T Kbar``), so that whatever depends on the state is the left
+operand, which the tensor cores take from registers; the right operands are the chunk's loaded
+tiles. Held as is, the state and the corrections go through shared memory as right operands at
+every chunk step, the wait that dominated the few-program sweeps (ncu at (1, 32768, 32): 56 % of
+stalls; BENCHMARKS.md note 56). The kernels are written once for both (the ``*_o`` helpers of
+``chunk_common.py``); the launcher picks (``ops/chunk.py``, ``transposed_sweeps``). H200, ms a
+call, transposed against not: (1, 32768, 32) carry 1.365 / 1.413, fused forward sweep
+1.549 / 1.811, gradient sweep 1.290 / 1.970; (8, 4096, 16) 0.369 / 0.346, 0.384 / 0.414,
+0.566 / 0.473 (why the transposed gradient sweep loses with many programs is not understood).
 """
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile, load_tile_t, mm,
-                                      store_tile_t, sweep_program)
+from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile_o, load_tile_ot,
+                                      lower_o, mm_o, oriented, rows_o, store_tile_o, sweep_program)
 
 
 @triton.jit
-def chunk_beta_inverse_t(beta, Minv, row0, n, i_hv, HV: tl.constexpr, BT: tl.constexpr):
-    """The chunk's ``beta`` ``[BT]`` and ``M^T`` ``[BT, BT]`` (float32; ``n`` valid rows), through
-    which the sweeps apply the WY form ``W = M diag(beta) Kg``; ``M``'s entries above the diagonal
-    are never written: selected out."""
+def chunk_beta_inverse(beta, Minv, row0, n, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+                       ADJOINT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The chunk's ``beta`` ``[BT]`` and ``M`` (``M^T`` with ``ADJOINT``) ``[BT, BT]`` in float32 as
+    the sweep holds it (``n`` valid rows), through which the sweeps apply the WY form
+    ``W = M diag(beta) Kg``; ``M``'s entries above the diagonal are never written: selected out."""
     o_t = tl.arange(0, BT)
     b_beta = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=o_t < n, other=0.).to(tl.float32)
-    b_Mt = load_tile_t(Minv + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT)
-    return b_beta, tl.where(o_t[None, :] >= o_t[:, None], b_Mt, 0.)
+    p_M = Minv + row0 * HV * BT + i_hv * BT
+    if ADJOINT:
+        b_M = tl.where(lower_o(BT, not TRANSPOSED), load_tile_ot(p_M, 0, n, HV * BT, 0, BT, BT, BT, TRANSPOSED), 0.)
+    else:
+        b_M = tl.where(lower_o(BT, TRANSPOSED), load_tile_o(p_M, 0, n, HV * BT, 0, BT, BT, BT, TRANSPOSED), 0.)
+    return b_beta, b_M
 
 
 @triton.jit
-def chunk_corrections(kg, v, beta, Minv, b_ht, row0, n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr,
+def chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr):
-    """``dV^T = (V^T - S^T Kg^T) diag(beta) M^T`` ``[BV, BT]`` of the chunk at ``row0`` (``n``
-    valid rows), value slice ``i_v``, from the transposed state ``S^T`` (``b_ht``)."""
-    b_kgt = load_tile_t(kg + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
-    b_vt = load_tile_t(v + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV)
-    b_beta, b_Mt = chunk_beta_inverse_t(beta, Minv, row0, n, i_hv, HV, BT)
-    return mm((b_vt - mm(b_ht, b_kgt, DOT_DTYPE)) * b_beta[None, :], b_Mt, DOT_DTYPE)
+                      DOT_DTYPE: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``dV = M diag(beta) (V - Kg S)`` ``[BT, BV]`` of the chunk at ``row0`` (``n`` valid rows),
+    value slice ``i_v``, held as the sweep holds its state ``b_h``."""
+    b_kg = load_tile_o(kg + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK, TRANSPOSED)
+    b_v = load_tile_o(v + row0 * HV * V + i_hv * V, 0, n, HV * V, i_v * BV, V, BT, BV, TRANSPOSED)
+    b_beta, b_M = chunk_beta_inverse(beta, Minv, row0, n, i_hv, HV, BT, False, TRANSPOSED)
+    b_u = (b_v - mm_o(b_kg, b_h, DOT_DTYPE, TRANSPOSED)) * rows_o(b_beta, TRANSPOSED)
+    return mm_o(b_M, b_u, DOT_DTYPE, TRANSPOSED)
 
 
 @triton.jit
-def carry_state(b_ht, b_dt, kbar, gc, row0, n, i_hv, HV: tl.constexpr, K: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """``S^T Diag(exp(c_last)) + dV^T Kbar``: the transposed state after the chunk at ``row0``."""
-    b_kbar = load_tile(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK)
+def carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV: tl.constexpr, K: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``Diag(exp(c_last)) S + Kbar^T dV``: the state after the chunk at ``row0``."""
+    b_kbart = load_tile_ot(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK, TRANSPOSED)
     b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
-    return b_ht * exp_nonpos(b_last)[None, :] + mm(b_dt, b_kbar, DOT_DTYPE)
+    return b_h * rows_o(exp_nonpos(b_last), TRANSPOSED) + mm_o(b_kbart, b_d, DOT_DTYPE, TRANSPOSED)
 
 
 @triton.jit
@@ -74,18 +82,18 @@ def chunk_state_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV, V,
                                                BT, BV, IS_VARLEN)
     b_h, _, _ = load_state(h0, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV, USE_INITIAL_STATE)
-    b_ht = tl.trans(b_h)
+    b_h = oriented(b_h, TRANSPOSED)
 
     for i_t in range(tl.cdiv(L, BT)):
         row0 = bos + i_t * BT
         n = tl.minimum(L - i_t * BT, BT)
-        store_tile_t(h + ((c0 + i_t) * HV + i_hv) * K * V, b_ht, 0, K, V, i_v * BV, V, BK, BV)
-        b_dt = chunk_corrections(kg, v, beta, Minv, b_ht, row0, n, i_hv, i_v, HV, K, V, BT, BK, BV,
-                                 DOT_DTYPE)
-        store_tile_t(v_new + row0 * HV * V + i_hv * V, b_dt, 0, n, HV * V, i_v * BV, V, BT, BV)
-        b_ht = carry_state(b_ht, b_dt, kbar, gc, row0, n, i_hv, HV, K, BT, BK, DOT_DTYPE)
+        store_tile_o(h + ((c0 + i_t) * HV + i_hv) * K * V, b_h, 0, K, V, i_v * BV, V, BK, BV, TRANSPOSED)
+        b_d = chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV, K, V, BT, BK, BV,
+                                DOT_DTYPE, TRANSPOSED)
+        store_tile_o(v_new + row0 * HV * V + i_hv * V, b_d, 0, n, HV * V, i_v * BV, V, BT, BV, TRANSPOSED)
+        b_h = carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV, K, BT, BK, DOT_DTYPE, TRANSPOSED)

@@ -200,6 +200,17 @@ def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
     return cfg
 
 
+def few_programs(N: int, HV: int, V: int, BV: int, device) -> bool:
+    """Whether a state sweep's (sequence, value head, value slice) programs make at most 1.5 waves
+    on the device's SMs. Then the backward's carry and gradient sweep hold the state transposed
+    (``kernels/chunk_state.py``) and run side by side (``chunk_kda_bwd``); with more programs
+    both lose, the transposed gradient sweep most (H200, (8, 4096, 16), 256 programs a sweep:
+    0.473 -> 0.566 ms a call, the step 7.12 -> 7.17 ms side by side; the varlen batch, 512:
+    14.47 -> 14.52; but (1, 8192, 96), 192 programs, 11.39 -> 11.04, and (1, 32768, 32),
+    128, 16.82 -> 15.07 with both)."""
+    return 2 * N * HV * cdiv(V, BV) <= 3 * sm_count(device)
+
+
 def gate_launch_args(gate: KernelGate | None) -> dict:
     """The gate arguments of the kernels that read ``g`` (``kernels/gate.py``)."""
     if gate is None:
@@ -292,7 +303,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         s1.qt, s1.kg, s1.kbar, v, beta, s1.gc, s1.Aqk, s1.Minv, o, h, initial_state, final_state,
         cu_seqlens, layout.offsets, layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        STORE_STATES=store_states, **blocks, **head_dims(q, v, layout, cu_seqlens))
+        STORE_STATES=store_states, TRANSPOSED=True, **blocks, **head_dims(q, v, layout, cu_seqlens))
     return o, final_state, s1, h
 
 
@@ -315,7 +326,8 @@ def chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first, c
     chunk_state_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
         s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens, layout.offsets,
         layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
-        USE_INITIAL_STATE=initial_state is not None, **blocks, **head_dims(q, v, layout, cu_seqlens))
+        USE_INITIAL_STATE=initial_state is not None,
+        TRANSPOSED=few_programs(N, HV, V, blocks['BV'], dev), **blocks, **head_dims(q, v, layout, cu_seqlens))
     return s1.gc, s1.Aqk, s1.Akk, s1.Minv, s1.kg, h, v_new, s1.kbar, s1.qt
 
 
@@ -338,14 +350,12 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     side = None
     if saved is None:
         s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices)
-        # The carry and the gradient sweep below read only stage 1's tensors. Where their programs
-        # make at most 1.5 waves, each leaves SMs idle for much of its time, and the carry runs on
-        # a side stream beside the gradient sweep (H200, fwd + bwd, ms a step: (1, 32768, 32)
-        # 15.78 -> 15.07 with FEW_PROGRAMS' settings; (1, 8192, 96), 192 programs a sweep for 132
-        # SMs, 11.39 -> 11.04; but (8, 4096, 16), 256 programs, 7.12 -> 7.17 and the varlen batch,
-        # 512, 14.47 -> 14.52).
+        # The carry and the gradient sweep below read only stage 1's tensors. With few programs
+        # each leaves SMs idle for much of its time: the carry runs on a side stream beside the
+        # gradient sweep (H200, (1, 32768, 32): 15.78 -> 15.07 ms a step with FEW_PROGRAMS'
+        # settings; see few_programs).
         carry = state_launch_config('state_fwd', K, V, N * HV, dev, q.dtype)
-        if 2 * N * HV * cdiv(V, carry['BV']) <= 3 * sm_count(dev):
+        if few_programs(N, HV, V, carry['BV'], dev):
             side = fork(dev)
         with torch.cuda.stream(side):
             saved = chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first,
@@ -364,6 +374,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         layout.order, T, layout.NT,
         *state_strides(K, V, state_v_first),
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
+        TRANSPOSED=few_programs(N, HV, V, blocks['BV'], dev),
         **blocks, **common)
     join(side, h, v_new)
     # Read by no later kernel: freed before the per-token gradients are allocated (the peak).
