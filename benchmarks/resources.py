@@ -74,8 +74,8 @@ KERNELS = {
                       dict(BK=128, BV=32, USE_FINAL_STATE_GRADIENT=False, STORE_INITIAL_STATE_GRADIENT=False,
                            TRANSPOSED=True), {}, [(4, 3, None)]),
     'state_output': (chunk_state_output_fwd_kernel,
-                     dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False,
-                          TRANSPOSED=True), dict(absent=OPTIONAL | {'h'}), [(4, 1, None), (8, 1, None), (4, 2, None)]),
+                     dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
+                     dict(absent=OPTIONAL | {'h'}), [(4, 1, None), (8, 1, None), (4, 2, None)]),
 }
 
 if __name__ == '__main__':

@@ -429,8 +429,9 @@ def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
     varlen = len(lengths) > 1
     cu = lengths_to_cu(lengths).to(KDEV) if varlen else None
     layout = chunk_mod.chunk_layout(1, T, chunk_size, offsets if varlen else None, cu)
-    saved = chunk_mod.chunk_kda_recompute(x['q'].to(KDEV), k.to(KDEV), x['v'].to(KDEV), g.to(KDEV),
-                                          beta.to(KDEV), 0.25, None, False, cu, layout)
+    q, k, v, g, beta = (t.to(KDEV) for t in (x['q'], k, x['v'], g, beta))
+    s1 = chunk_mod.chunk_stage1(q, k, g, beta, 0.25, cu, layout, None, HV)
+    saved = chunk_mod.chunk_kda_recompute(q, k, v, beta, None, False, cu, layout, s1)
     gc, _, Akk, Minv, kg, h, v_new = (t.double().cpu() for t in saved[:7])
     worst = far = 0.
     chunk = 0                               # global chunk index (h's first axis)
@@ -519,8 +520,9 @@ def test_launch_rules(monkeypatch, rule):
 def test_transposed_sweeps(monkeypatch, case):
     """The backward's carry and gradient sweep holding the state transposed, as they do where their
     programs make at most 1.5 waves (forced by claiming a huge GPU, which also applies
-    FEW_PROGRAMS; with the interpreter's one "SM" they run the other orientation everywhere
-    else): the float64 checks of the matrix case, and the launches seen transposed."""
+    FEW_PROGRAMS; with the interpreter's one "SM" they are transposed only for a single program,
+    N * HV * value slices = 1): the float64 checks of the matrix case, and the launches seen
+    transposed."""
     monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
     seen = []
 
@@ -626,7 +628,7 @@ def row(case):
 
 
 # The fused forward sweep runs transposed always; the carry and the gradient sweep either way with
-# many programs (transposed up to 1.5 waves, kda.ops.chunk.few_programs), transposed with few.
+# many programs (transposed up to 1.5 waves, kda.ops.chunk.transposed_sweeps), transposed with few.
 cases = [('pair_fwd', torch.float16, 128, False, False)]
 for dtype in (torch.float32, torch.bfloat16):
     for stage in KERNELS:
@@ -1281,6 +1283,33 @@ def test_cuda_bf16_head_dim_256(B, H, T):
 def test_cuda_gradients(dtype):
     """B=2, T=512, GVA (H=2 q/k heads, HV=4), K=V=128, against float64 autograd."""
     check_gradients_vs_float64(dtype, B=2, T=512, H=2, HV=4, K=128, V=128)
+
+
+@requires_cuda
+def test_cuda_backward_on_a_user_stream():
+    """Few programs (B = 1, HV = 2): the backward forks its carry onto a side stream
+    (``kda.ops.utils.fork``). Run from a stream of the caller's, with that stream's memory reused
+    right after, the gradients are the default stream's, bit for bit."""
+    x = make_inputs(1, 700, 2, 2, 64, 64, dtype=torch.bfloat16, device='cuda')
+    h0 = make_state(1, 2, 64, 64, device='cuda')
+
+    def grads():
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        state = h0.clone().requires_grad_()
+        o, ht = chunk_kda(**leaves, initial_state=state, output_final_state=True, chunk_size=64)
+        (o.float().square().sum() + ht.square().sum()).backward()
+        return [t.grad.clone() for t in (*leaves.values(), state)]
+
+    assert chunk_mod.transposed_sweeps(1, 2, 64, 64, torch.device('cuda'), torch.bfloat16)
+    expected = grads()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = grads()
+        torch.full((64 << 20,), float('nan'), device='cuda')
+    torch.cuda.current_stream().wait_stream(stream)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
 
 
 def check_kimi_gate_gradients(dtype, B, T, H, K, V, device):

@@ -22,8 +22,9 @@ operand, which the tensor cores take from registers; the right operands are the 
 tiles. Held as is, the state and the corrections go through shared memory as right operands at
 every chunk step, the wait that dominated the few-program sweeps (ncu at (1, 32768, 32): 56 % of
 stalls; BENCHMARKS.md note 56). The kernels are written once for both (the ``*_o`` helpers of
-``chunk_common.py``); the launcher picks (``ops/chunk.py``, ``transposed_sweeps``). H200, ms a
-call, transposed against not: (1, 32768, 32) carry 1.365 / 1.413, fused forward sweep
+``chunk_common.py``). The fused forward sweep is always transposed; the carry and the gradient
+sweep only with few programs (``ops/chunk.py``, ``transposed_sweeps``). H200, ms a call,
+transposed against not: (1, 32768, 32) carry 1.365 / 1.413, fused forward sweep
 1.549 / 1.811, gradient sweep 1.290 / 1.970; (8, 4096, 16) 0.369 / 0.346, 0.384 / 0.414,
 0.566 / 0.473 (why the transposed gradient sweep loses with many programs is not understood).
 """

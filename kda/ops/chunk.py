@@ -200,14 +200,16 @@ def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
     return cfg
 
 
-def few_programs(N: int, HV: int, V: int, BV: int, device) -> bool:
-    """Whether a state sweep's (sequence, value head, value slice) programs make at most 1.5 waves
-    on the device's SMs. Then the backward's carry and gradient sweep hold the state transposed
-    (``kernels/chunk_state.py``) and run side by side (``chunk_kda_bwd``); with more programs
-    both lose, the transposed gradient sweep most (H200, (8, 4096, 16), 256 programs a sweep:
-    0.473 -> 0.566 ms a call, the step 7.12 -> 7.17 ms side by side; the varlen batch, 512:
-    14.47 -> 14.52; but (1, 8192, 96), 192 programs, 11.39 -> 11.04, and (1, 32768, 32),
-    128, 16.82 -> 15.07 with both)."""
+def transposed_sweeps(N: int, HV: int, K: int, V: int, device, dtype: torch.dtype) -> bool:
+    """Whether the backward's carry and gradient sweep hold the state transposed
+    (``kernels/chunk_state.py``) and run side by side (``chunk_kda_bwd``): where the carry's
+    (sequence, value head, value slice) programs make at most 1.5 waves on the device's SMs (a
+    looser bound than FEW_PROGRAMS'). With more programs both lose, the transposed gradient sweep
+    most (H200, (8, 4096, 16), 256 programs a sweep: 0.473 -> 0.566 ms a call, the step
+    7.12 -> 7.17 ms side by side; the varlen batch, 512: 14.47 -> 14.52; but (1, 8192, 96), 192
+    programs, 11.39 -> 11.04, and (1, 32768, 32), 128, 16.82 -> 15.07 with both). The gradient
+    sweep's slices are as wide as the carry's wherever this holds at the benchmark's shapes."""
+    BV = state_launch_config('state_fwd', K, V, N * HV, device, dtype)['BV']
     return 2 * N * HV * cdiv(V, BV) <= 3 * sm_count(device)
 
 
@@ -303,31 +305,33 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         s1.qt, s1.kg, s1.kbar, v, beta, s1.gc, s1.Aqk, s1.Minv, o, h, initial_state, final_state,
         cu_seqlens, layout.offsets, layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        STORE_STATES=store_states, TRANSPOSED=True, **blocks, **head_dims(q, v, layout, cu_seqlens))
+        STORE_STATES=store_states, **blocks, **head_dims(q, v, layout, cu_seqlens))
     return o, final_state, s1, h
 
 
-def chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens,
-                        layout: ChunkLayout, gate: KernelGate | None = None, matrices=None,
-                        stage1: Stage1 | None = None):
+def chunk_kda_recompute(q, k, v, beta, initial_state, state_v_first, cu_seqlens, layout: ChunkLayout,
+                        stage1: Stage1, side: torch.cuda.Stream | None = None):
     """What the backward reads of the forward: stage 1's tensors and the state carry's, every
     chunk's incoming state ``h`` and corrections ``v_new`` (``kernels/chunk_state.py``):
-    ``(gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt)``. From ``stage1`` when given, else stage 1
-    runs again (reusing ``matrices``)."""
+    ``(gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt)``. The carry is launched on ``side`` when given
+    (``chunk_kda_bwd``); its outputs are allocated on the current stream, which frees them, so
+    their memory stays in the current stream's pool."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev, dt = q.device, q.dtype
-    s1 = stage1 or chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices)
+    s1 = stage1
     blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt)
     # In the input dtype: every later product rounds them to it anyway.
     h = torch.empty(layout.total, HV, K, V, dtype=dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    chunk_state_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
-        s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens, layout.offsets,
-        layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
-        USE_INITIAL_STATE=initial_state is not None,
-        TRANSPOSED=few_programs(N, HV, V, blocks['BV'], dev), **blocks, **head_dims(q, v, layout, cu_seqlens))
+    with torch.cuda.stream(side):
+        chunk_state_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
+            s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens,
+            layout.offsets, layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
+            USE_INITIAL_STATE=initial_state is not None,
+            TRANSPOSED=transposed_sweeps(N, HV, K, V, dev, dt), **blocks,
+            **head_dims(q, v, layout, cu_seqlens))
     return s1.gc, s1.Aqk, s1.Akk, s1.Minv, s1.kg, h, v_new, s1.kbar, s1.qt
 
 
@@ -347,36 +351,36 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     BT = layout.BT
     dev = q.device
     common = head_dims(q, v, layout, cu_seqlens)
+    transposed = transposed_sweeps(N, HV, K, V, dev, q.dtype)
     side = None
-    if saved is None:
-        s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices)
-        # The carry and the gradient sweep below read only stage 1's tensors. With few programs
-        # each leaves SMs idle for much of its time: the carry runs on a side stream beside the
-        # gradient sweep (H200, (1, 32768, 32): 15.78 -> 15.07 ms a step with FEW_PROGRAMS'
-        # settings; see few_programs).
-        carry = state_launch_config('state_fwd', K, V, N * HV, dev, q.dtype)
-        if few_programs(N, HV, V, carry['BV'], dev):
-            side = fork(dev)
-        with torch.cuda.stream(side):
-            saved = chunk_kda_recompute(q, k, v, g, beta, scale, initial_state, state_v_first,
-                                        cu_seqlens, layout, gate, stage1=s1)
-        s1 = None
-    gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt = saved
-    saved = None
-
-    blocks = state_launch_config('state_bwd', K, V, N * HV, dev, q.dtype)
-    dh = torch.empty_like(h)
-    # Read only as a matrix-product operand (rounded to the input dtype there): kept in that dtype.
-    dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunk_state_bwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
-        qt, kbar, kg, beta, gc, Aqk, Minv, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets,
-        layout.order, T, layout.NT,
-        *state_strides(K, V, state_v_first),
-        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
-        TRANSPOSED=few_programs(N, HV, V, blocks['BV'], dev),
-        **blocks, **common)
-    join(side, h, v_new)
+    try:
+        if saved is None:
+            s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices)
+            # The carry and the gradient sweep below read only stage 1's tensors. With few
+            # programs each leaves SMs idle for much of its time: the carry runs on a side stream
+            # beside the gradient sweep (H200, (1, 32768, 32): 15.78 -> 15.07 ms a step with
+            # FEW_PROGRAMS' settings; see transposed_sweeps).
+            side = fork(dev) if transposed else None
+            saved = chunk_kda_recompute(q, k, v, beta, initial_state, state_v_first, cu_seqlens,
+                                        layout, s1, side)
+            s1 = None
+        gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt = saved
+        saved = None
+        blocks = state_launch_config('state_bwd', K, V, N * HV, dev, q.dtype)
+        dh = torch.empty_like(h)
+        # Read only as a matrix-product operand (rounded to the input dtype there): kept in that dtype.
+        dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
+        dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+        chunk_state_bwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
+            qt, kbar, kg, beta, gc, Aqk, Minv, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets,
+            layout.order, T, layout.NT,
+            *state_strides(K, V, state_v_first),
+            USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
+            TRANSPOSED=transposed, **blocks, **common)
+    finally:
+        # Also when the above raises: the carry still reads stage 1's tensors, which the current
+        # stream must not free (and a graph capture must not stay forked) before it has waited.
+        join(side)
     # Read by no later kernel: freed before the per-token gradients are allocated (the peak).
     del kbar, qt, kg
 
@@ -457,8 +461,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.saved_intermediates = None
         if disable_recompute:
             ctx.saved_intermediates = chunk_kda_recompute(
-                qn, kn, v, g, beta, scale, initial_state, state_v_first, cu_seqlens, layout, gate,
-                stage1=s1)
+                qn, kn, v, beta, initial_state, state_v_first, cu_seqlens, layout, s1)
         s1 = None
         ctx.scale, ctx.state_v_first, ctx.layout = scale, state_v_first, layout
         ctx.qk_l2norm, ctx.gate_kind, ctx.lower_bound = qk_l2norm, gate_kind, lower_bound

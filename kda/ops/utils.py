@@ -55,12 +55,7 @@ def fork(device: torch.device) -> torch.cuda.Stream | None:
     return side
 
 
-def join(side: torch.cuda.Stream | None, *allocated):
-    """The current stream waits for ``side``; the tensors ``allocated`` on it may then be used and
-    freed on the current stream (``record_stream``)."""
-    if side is None:
-        return
-    current = torch.cuda.current_stream(side.device)
-    current.wait_stream(side)
-    for t in allocated:
-        t.record_stream(current)
+def join(side: torch.cuda.Stream | None):
+    """The current stream waits for ``side`` (``fork``); nothing off CUDA."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
