@@ -243,6 +243,11 @@ MATRIX = [
 @requires_kernels
 @pytest.mark.parametrize('shape,opts', [pytest.param(s, o, id=i) for i, s, o in MATRIX])
 def test_matches_reference(shape, opts):
+    check_matrix_case(shape, opts)
+
+
+def check_matrix_case(shape, opts):
+    """``check_case`` of a MATRIX entry (varlen entries carry their head counts and dims in opts)."""
     opts = dict(opts)
     if shape is None:
         shape = (1, 0, opts.pop('H'), opts.pop('HV'), opts.pop('K'), opts.pop('V'))
@@ -538,10 +543,7 @@ def test_transposed_sweeps(monkeypatch, case):
 
     for name in ('chunk_state_fwd_kernel', 'chunk_state_bwd_kernel'):
         monkeypatch.setattr(chunk_mod, name, Spy(getattr(chunk_mod, name)))
-    shape, opts = next((s, dict(o)) for i, s, o in MATRIX if i == case)
-    if shape is None:
-        shape = (1, 0, opts.pop('H'), opts.pop('HV'), opts.pop('K'), opts.pop('V'))
-    check_case(*shape, **opts)
+    check_matrix_case(*next((s, o) for i, s, o in MATRIX if i == case))
     assert sorted(set(seen)) == [('chunk_state_bwd_kernel', True), ('chunk_state_fwd_kernel', True)]
 
 

@@ -154,10 +154,7 @@ def load_tile_o(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, 
 def load_tile_ot(base, row0, n_rows, row_stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr,
                  TRANSPOSED: tl.constexpr):
     """X^T for tile X (``load_tile``) as a state sweep holds it: transposed, that is X itself."""
-    if TRANSPOSED:
-        return load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR, BC)
-    else:
-        return tl.trans(load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR, BC))
+    return oriented(load_tile(base, row0, n_rows, row_stride, col0, n_cols, BR, BC), not TRANSPOSED)
 
 
 @triton.jit

@@ -310,17 +310,16 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
 
 def chunk_kda_recompute(q, k, v, beta, initial_state, state_v_first, cu_seqlens, layout: ChunkLayout,
-                        stage1: Stage1, side: torch.cuda.Stream | None = None):
+                        s1: Stage1, side: torch.cuda.Stream | None = None):
     """What the backward reads of the forward: stage 1's tensors and the state carry's, every
     chunk's incoming state ``h`` and corrections ``v_new`` (``kernels/chunk_state.py``):
-    ``(gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt)``. The carry is launched on ``side`` when given
+    ``(gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt)``, on stage 1's tensors ``s1``. The carry is launched on ``side`` when given
     (``chunk_kda_bwd``); its outputs are allocated on the current stream, which frees them, so
     their memory stays in the current stream's pool."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev, dt = q.device, q.dtype
-    s1 = stage1
     blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt)
     # In the input dtype: every later product rounds them to it anyway.
     h = torch.empty(layout.total, HV, K, V, dtype=dt, device=dev)
