@@ -434,9 +434,9 @@ def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
     varlen = len(lengths) > 1
     cu = lengths_to_cu(lengths).to(KDEV) if varlen else None
     layout = chunk_mod.chunk_layout(1, T, chunk_size, offsets if varlen else None, cu)
-    q, k, v, g, beta = (t.to(KDEV) for t in (x['q'], k, x['v'], g, beta))
-    s1 = chunk_mod.chunk_stage1(q, k, g, beta, 0.25, cu, layout, None, HV)
-    saved = chunk_mod.chunk_kda_recompute(q, k, v, beta, None, False, cu, layout, s1)
+    q, kd, vd, gd, betad = (t.to(KDEV) for t in (x['q'], k, x['v'], g, beta))
+    s1 = chunk_mod.chunk_stage1(q, kd, gd, betad, 0.25, cu, layout, None, HV)
+    saved = chunk_mod.chunk_kda_recompute(q, kd, vd, betad, None, False, cu, layout, s1)
     gc, _, Akk, Minv, kg, h, v_new = (t.double().cpu() for t in saved[:7])
     worst = far = 0.
     chunk = 0                               # global chunk index (h's first axis)
