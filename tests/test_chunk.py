@@ -547,6 +547,67 @@ def test_transposed_sweeps(monkeypatch, case):
     assert sorted(set(seen)) == [('chunk_state_bwd_kernel', True), ('chunk_state_fwd_kernel', True)]
 
 
+def test_forward_segments(monkeypatch):
+    """Where the forward runs in time segments (``forward_segments``): only one fixed-length
+    sequence whose fused sweep has fewer programs than SMs, never with ``store_states``; the
+    segments are whole chunks, cover the sequence in order, and shrink (never grow) where the
+    sweep is the shorter part (many heads), equal otherwise."""
+    cpu = torch.device('cpu')
+
+    def segments(B, T, HV, few=True, varlen=False, store=False, V=128):
+        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6 if few else 1)
+        layout = chunk_mod.chunk_layout(B, T, 64, None, None)
+        return chunk_mod.forward_segments(B, T, HV, 128, V, layout, torch.zeros(2) if varlen else None,
+                                          store, cpu, torch.bfloat16)
+
+    for T, HV in ((32768, 32), (32768, 64), (65536, 16), (200, 4), (129, 40), (65, 1)):
+        seg = segments(1, T, HV)
+        assert seg[0][0] == 0 and seg[-1][1] == T and len(seg) <= chunk_mod.FORWARD_SEGMENTS, seg
+        assert all(a[1] == b[0] for a, b in zip(seg, seg[1:])), seg
+        assert all(t0 % 64 == 0 and t1 > t0 for t0, t1 in seg), seg
+        lengths = [t1 - t0 for t0, t1 in seg[:-1]]
+        assert lengths == sorted(lengths, reverse=True), seg
+        if T % 64 == 0 and T >= 4 * 64 * 4:
+            assert len(seg) == chunk_mod.FORWARD_SEGMENTS
+            assert (max(lengths) == min(lengths)) == (HV <= chunk_mod.SEGMENT_BALANCE), seg
+    assert segments(1, 64, 4) is None                  # one chunk
+    assert segments(2, 4096, 4) is None                # a segment would not be a contiguous view
+    assert segments(1, 4096, 4, varlen=True) is None
+    assert segments(1, 4096, 4, store=True) is None
+    assert segments(1, 4096, 4, few=False) is None     # the sweep fills the GPU
+
+
+@requires_kernels
+@pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0'])
+def test_segmented_forward(monkeypatch, case):
+    """The forward in time segments (forced by claiming a huge GPU): outputs, final state and every
+    gradient bit for bit those of the forward in one pass, which the other tests check against
+    float64 (the same chunk steps, the state handed from segment to segment in float32)."""
+    T = 200 if case.startswith('T200') else 193
+    dtype = torch.float32 if 'fp32' in case else torch.float16
+    vfirst, with_h0 = 'vfirst' in case, 'noh0' not in case
+    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+    x = make_inputs(1, T, 2, 4, 32, 48, dtype=dtype, device=KDEV)
+    h0 = make_state(1, 4, 32, 48, state_v_first=vfirst, device=KDEV) if with_h0 else None
+    seen = []
+    segments = chunk_mod.forward_segments
+    monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: seen.append(segments(*a)) or seen[-1])
+
+    def run():
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        state = None if h0 is None else h0.clone().requires_grad_()
+        o, ht = chunk_kda(**leaves, initial_state=state, output_final_state=True, state_v_first=vfirst,
+                          use_qk_l2norm_in_kernel=True)
+        (o.float().sin().sum() + ht.cos().sum()).backward()
+        return [o, ht] + [t.grad for t in (*leaves.values(), state) if t is not None]
+
+    got = run()
+    assert seen[-1] is not None and len(seen[-1]) == 4, seen
+    monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
+    for name, a, b in zip(['o', 'ht', *x, 'h0'], got, run()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
 def test_chunk_layout_varlen(dtype):
     """The varlen chunk map: (sequence, chunk) per global chunk, each sequence's first chunk, and
@@ -1311,6 +1372,33 @@ def test_cuda_backward_on_a_user_stream():
         torch.full((64 << 20,), float('nan'), device='cuda')
     torch.cuda.current_stream().wait_stream(stream)
     for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+@requires_cuda
+def test_cuda_segmented_forward_on_a_user_stream(monkeypatch):
+    """One sequence with few sweep programs (B = 1, HV = 4, K = V = 128, bf16): the forward runs
+    in time segments, each sweep on a side stream beside the next segment's stage 1. Its outputs
+    and final state are the one-pass forward's bit for bit, also when called from a stream of the
+    caller's whose memory is reused right after."""
+    x = make_inputs(1, 3000, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda')
+    h0 = make_state(1, 4, 128, 128, device='cuda')
+
+    def forward():
+        with torch.no_grad():
+            return chunk_kda(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    layout = chunk_mod.chunk_layout(1, 3000, 64, None, None)
+    assert chunk_mod.forward_segments(1, 3000, 4, 128, 128, layout, None, False, torch.device('cuda'),
+                                      torch.bfloat16) is not None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = forward()
+        torch.full((64 << 20,), float('nan'), device='cuda')
+    torch.cuda.current_stream().wait_stream(stream)
+    monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
+    for a, b in zip(got, forward()):
         assert torch.equal(a, b)
 
 

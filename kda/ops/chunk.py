@@ -13,7 +13,7 @@ corrections (``kernels/chunk_state.py``), then runs the state-gradient sweep
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -233,6 +233,11 @@ def head_dims(q, v, layout: ChunkLayout, cu_seqlens) -> dict:
                 DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
 
 
+def astuple_shallow(x) -> tuple:
+    """A dataclass's fields in order, not copied (``dataclasses.astuple`` deep-copies tensors)."""
+    return tuple(getattr(x, f.name) for f in fields(x))
+
+
 @dataclass
 class Stage1:
     """Stage 1's per-token outputs: cumulative log-decay ``gc`` (float32), decayed queries ``qt``
@@ -246,41 +251,85 @@ class Stage1:
     Minv: torch.Tensor
 
 
-def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None,
-                 HV: int, matrices=None) -> Stage1:
-    """Cumulative decay and decayed keys / queries; with ``matrices`` (``(Aqk, Akk, Minv)`` of an
-    earlier call on the same inputs) the pair products and the solve are not run again.
-    ``gate``: ``g`` is the raw gate, activated in the first kernel."""
-    B, T, H, K = q.shape
-    BT = layout.BT
-    dev, dt = q.device, q.dtype
-    is_varlen = cu_seqlens is not None
-    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
-    gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+def stage1_buffers(B: int, T: int, HV: int, K: int, BT: int, device, dtype: torch.dtype) -> Stage1:
+    """Uninitialized stage-1 tensors for ``[B, T]`` tokens of ``dtype`` inputs."""
+    gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=device)
     # Decayed keys and queries for the state sweeps and the outputs.
-    kbar, qt, kg = (torch.empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
-    cfg = launch_config('cumsum', K, K)
-    chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
-        g, q=q, k=k, gc=gc, qt=qt, kbar=kbar, kg=kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
-        IS_VARLEN=is_varlen, **gate_launch_args(gate), **chunks, **cfg)
-    if matrices is not None:
-        return Stage1(gc, qt, kbar, kg, *matrices)
+    kbar, qt, kg = (torch.empty(B, T, HV, K, dtype=dtype, device=device) for _ in range(3))
     # Aqk and M are only ever matrix-product operands after the kernel that forms them, rounded
     # to the input dtype there anyway: kept in it, bit for bit the same results. A' is not: the
     # solve reads it in float32 (its products keep float32 operands, mm_fine) and the beta
     # gradient uses it element by element.
-    Aqk = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
-    Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=dev)
-    Minv = torch.empty(B, T, HV, BT, dtype=dt, device=dev)
+    Aqk = torch.empty(B, T, HV, BT, dtype=dtype, device=device)
+    Akk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=device)
+    Minv = torch.empty(B, T, HV, BT, dtype=dtype, device=device)
+    return Stage1(gc, qt, kbar, kg, Aqk, Akk, Minv)
+
+
+def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None,
+                 HV: int, matrices=None, out: Stage1 | None = None) -> Stage1:
+    """Cumulative decay and decayed keys / queries; with ``matrices`` (``(Aqk, Akk, Minv)`` of an
+    earlier call on the same inputs) the pair products and the solve are not run again.
+    ``gate``: ``g`` is the raw gate, activated in the first kernel. ``out``: tensors to write
+    into (``stage1_buffers``' shapes), else new ones."""
+    B, T, H, K = q.shape
+    BT = layout.BT
+    dt = q.dtype
+    is_varlen = cu_seqlens is not None
+    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
+    s1 = out if out is not None else stage1_buffers(B, T, HV, K, BT, q.device, dt)
+    cfg = launch_config('cumsum', K, K)
+    chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
+        g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
+        IS_VARLEN=is_varlen, **gate_launch_args(gate), **chunks, **cfg)
+    if matrices is not None:
+        return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
-        q, k, gc, Aqk, Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
+        q, k, s1.gc, s1.Aqk, s1.Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
+        DOT_DTYPE=DOT_DTYPES[dt],
         # float16's range ends at 65504: no factor >= 1 on its operands.
         FACTORED_DIAG=dt != torch.float16, IS_VARLEN=is_varlen, **chunks,
         **launch_config('pair_fwd', K, K))
     chunk_solve_kernel[(layout.total, HV)](
-        beta, Akk, Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen, **chunks,
-        **launch_config('solve', K, K))
-    return Stage1(gc, qt, kbar, kg, Aqk, Akk, Minv)
+        beta, s1.Akk, s1.Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen,
+        **chunks, **launch_config('solve', K, K))
+    return s1
+
+
+# The forward in time segments (forward_segments): how many; see SEGMENT_BALANCE for their lengths.
+FORWARD_SEGMENTS = 4
+# Value heads at which a K = V = 128 sweep over the whole sequence takes as long as stage 1 for it
+# (H200: a chunk step of the few-program sweep ~3 us, 1.58 ms at (1, 32768, 32); stage 1 ~2.2 ns a
+# token-head, 2.34 ms there; so 3 us / 64 tokens / 2.2 ns ~ 21 heads).
+SEGMENT_BALANCE = 20
+
+
+def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayout, cu_seqlens,
+                     store_states: bool, device, dtype: torch.dtype) -> list[tuple[int, int]] | None:
+    """Token ranges ``[t0, t1)`` (whole chunks) in which ``chunk_kda_fwd`` runs stage 1 and the
+    fused sweep one after the other, so that each segment's sweep runs beside the next
+    segment's stage 1; None for one pass over the whole sequence. Segmented only where the sweep
+    leaves SMs idle (fewer programs than SMs, FEW_PROGRAMS) and a segment is a contiguous view of
+    every tensor: one sequence of fixed length (B = 1), without ``store_states``.
+
+    The first segment's stage 1 runs alone, at full speed; each later one beside the previous
+    segment's sweep, which slows both; the last segment's sweep runs alone at the end. Where the
+    sweep is the shorter part (many heads) the segments shrink geometrically, by
+    ``SEGMENT_BALANCE / HV`` (at least 0.6), so that more of stage 1 runs alone and the last sweep
+    is short, while each sweep still ends before the next segment's stage 1 does. H200, forward ms,
+    4 segments: (1, 32768, 32) 3.904 whole, 3.452 equal, 3.348 shrinking by 0.6 (0.5: 3.449);
+    (1, 16384, 32) 1.968, 1.766, 1.709; (1, 65536, 16), where the sweep is the longer part,
+    5.154, 4.407 equal, 4.561 by 0.7, 4.700 by 0.6."""
+    if cu_seqlens is not None or B != 1 or store_states or layout.NT < 2:
+        return None
+    if HV * cdiv(V, launch_config('state_output', K, V)['BV']) >= sm_count(device):
+        return None
+    S = min(FORWARD_SEGMENTS, layout.NT)
+    ratio = min(1.0, max(0.6, SEGMENT_BALANCE / HV))
+    weights = [ratio ** i for i in range(S)]
+    ends = [round(layout.NT * sum(weights[:i + 1]) / sum(weights)) for i in range(S - 1)]
+    bounds = sorted({0, T, *(layout.BT * c for c in ends if 0 < c < layout.NT)})
+    return list(zip(bounds, bounds[1:]))
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
@@ -288,24 +337,58 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
                   store_states: bool = False):
     """The forward: stage 1, then the fused state sweep and outputs
     (``kernels/chunk_state_output.py``). Returns ``(o, final_state, stage1, h)``: ``h`` the
-    float32 state entering every chunk with ``store_states``, else None."""
+    float32 state entering every chunk with ``store_states``, else None.
+
+    Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
+    starting from the state the previous segment's sweep left in a float32 buffer, while the
+    current stream forms the next segment's stage 1: the few-program sweep leaves most of every
+    SM to stage 1's kernels. The same steps on the same chunks, so the same bits. H200,
+    (1, 32768, 32), 4 segments shrinking by 0.6: forward 3.904 -> 3.348 ms (stage 1's pair
+    products 1.05 -> 1.58 ms beside the sweeps, which take 1.86 against 1.58), forward + backward
+    15.06 -> 14.56 ms. Not segmented: several sequences (their segments would not be contiguous
+    views; the kernels would need a row stride per sequence) and the backward (its carry and
+    gradient sweep would need stage 1's segments in opposite orders)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev, dt = q.device, q.dtype
-    s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV)
     blocks = state_launch_config('state_output', K, V, N * HV, dev, dt)
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
-    final_state = None
-    if output_final_state:
-        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        final_state = torch.empty(shape, dtype=torch.float32, device=dev)
-    chunk_state_output_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
-        s1.qt, s1.kg, s1.kbar, v, beta, s1.gc, s1.Aqk, s1.Minv, o, h, initial_state, final_state,
-        cu_seqlens, layout.offsets, layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
-        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        STORE_STATES=store_states, **blocks, **head_dims(q, v, layout, cu_seqlens))
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    final_state = torch.empty(shape, dtype=torch.float32, device=dev) if output_final_state else None
+
+    def sweep(s1, part, part_layout, h0, ht):
+        Tp = part.stop - part.start
+        chunk_state_output_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
+            s1.qt, s1.kg, s1.kbar, v[:, part], beta[:, part], s1.gc, s1.Aqk, s1.Minv, o[:, part], h,
+            h0, ht, cu_seqlens, part_layout.offsets, part_layout.order, Tp, part_layout.NT,
+            *state_strides(K, V, state_v_first), USE_INITIAL_STATE=h0 is not None,
+            STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, **blocks,
+            **head_dims(q, v, part_layout, cu_seqlens))
+
+    segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev, dt)
+    if segments is None:
+        s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV)
+        sweep(s1, slice(0, T), layout, initial_state, final_state)
+        return o, final_state, s1, h
+    s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
+    carried = torch.empty(shape, dtype=torch.float32, device=dev)
+    side = None
+    try:
+        for i, (t0, t1) in enumerate(segments):
+            part = slice(t0, t1)
+            part_layout = chunk_layout(B, t1 - t0, layout.BT, None, None)
+            s1_part = Stage1(*(x[:, part] for x in astuple_shallow(s1)))
+            chunk_stage1(q[:, part], k[:, part], g[:, part], beta[:, part], scale, None, part_layout,
+                         gate, HV, out=s1_part)
+            side = fork(dev)
+            with torch.cuda.stream(side):
+                sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
+                      final_state if i == len(segments) - 1 else carried)
+    finally:
+        # Also on an error: the sweeps read tensors the current stream would otherwise free.
+        join(side)
     return o, final_state, s1, h
 
 
