@@ -319,7 +319,10 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     is short, while each sweep still ends before the next segment's stage 1 does. H200, forward ms,
     4 segments: (1, 32768, 32) 3.904 whole, 3.452 equal, 3.348 shrinking by 0.6 (0.5: 3.449);
     (1, 16384, 32) 1.968, 1.766, 1.709; (1, 65536, 16), where the sweep is the longer part,
-    5.154, 4.407 equal, 4.561 by 0.7, 4.700 by 0.6."""
+    5.154, 4.407 equal, 4.561 by 0.7, 4.700 by 0.6; (1, 16384, 64), whose halved slices give
+    two sweep programs an SM, 3.372 whole, 3.327 by 0.6. A lighter sweep beside stage 1 loses:
+    at (1, 32768, 32), 3.331 against 4.045 capped at 168 registers, 4.526 at 128, 4.186 with
+    2 warps (stage 1's pair products 1.58 -> 1.29-1.36 ms, the sweeps 1.87 -> 2.60-3.15)."""
     if cu_seqlens is not None or B != 1 or store_states or layout.NT < 2:
         return None
     if HV * cdiv(V, launch_config('state_output', K, V)['BV']) >= sm_count(device):
