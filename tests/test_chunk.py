@@ -551,7 +551,8 @@ def test_forward_segments(monkeypatch):
     """Where the forward runs in time segments (``forward_segments``): only one fixed-length
     sequence whose fused sweep has fewer programs than SMs, never with ``store_states``; the
     segments are whole chunks, cover the sequence in order, and shrink (never grow) where the
-    sweep is the shorter part (many heads), equal otherwise."""
+    sweep is the shorter part (many heads), equal otherwise; not for short sequences, whose time
+    the host's launches would set (SEGMENT_MIN_TOKEN_HEADS, lifted for the shape checks)."""
     cpu = torch.device('cpu')
 
     def segments(B, T, HV, few=True, varlen=False, store=False, V=128):
@@ -560,6 +561,8 @@ def test_forward_segments(monkeypatch):
         return chunk_mod.forward_segments(B, T, HV, 128, V, layout, torch.zeros(2) if varlen else None,
                                           store, cpu, torch.bfloat16)
 
+    assert segments(1, 16384, 32) is not None and segments(1, 8192, 32) is None
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     for T, HV in ((32768, 32), (32768, 64), (65536, 16), (200, 4), (129, 40), (65, 1)):
         seg = segments(1, T, HV)
         assert seg[0][0] == 0 and seg[-1][1] == T and len(seg) <= chunk_mod.FORWARD_SEGMENTS, seg
@@ -580,13 +583,15 @@ def test_forward_segments(monkeypatch):
 @requires_kernels
 @pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0'])
 def test_segmented_forward(monkeypatch, case):
-    """The forward in time segments (forced by claiming a huge GPU): outputs, final state and every
+    """The forward in time segments (forced by claiming a huge GPU, at a length the launcher would
+    leave whole): outputs, final state and every
     gradient bit for bit those of the forward in one pass, which the other tests check against
     float64 (the same chunk steps, the state handed from segment to segment in float32)."""
     T = 200 if case.startswith('T200') else 193
     dtype = torch.float32 if 'fp32' in case else torch.float16
     vfirst, with_h0 = 'vfirst' in case, 'noh0' not in case
     monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     x = make_inputs(1, T, 2, 4, 32, 48, dtype=dtype, device=KDEV)
     h0 = make_state(1, 4, 32, 48, state_v_first=vfirst, device=KDEV) if with_h0 else None
     seen = []
@@ -1380,7 +1385,9 @@ def test_cuda_segmented_forward_on_a_user_stream(monkeypatch):
     """One sequence with few sweep programs (B = 1, HV = 4, K = V = 128, bf16): the forward runs
     in time segments, each sweep on a side stream beside the next segment's stage 1. Its outputs
     and final state are the one-pass forward's bit for bit, also when called from a stream of the
-    caller's whose memory is reused right after."""
+    caller's whose memory is reused right after. (Segmented at this length, which the launcher
+    leaves whole, SEGMENT_MIN_TOKEN_HEADS.)"""
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     x = make_inputs(1, 3000, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda')
     h0 = make_state(1, 4, 128, 128, device='cuda')
 
@@ -1404,11 +1411,12 @@ def test_cuda_segmented_forward_on_a_user_stream(monkeypatch):
 
 @requires_cuda
 @pytest.mark.parametrize('mode', ['forward', 'training'])
-def test_cuda_graph_capture(mode):
-    """Few programs (B = 1, HV = 4): the forward in time segments and the backward's forked carry
-    both launch on a side stream. Captured in a CUDA graph (a forward under no_grad, or a whole
-    forward + backward) and replayed after new inputs are copied in, the results equal the eager
-    ones bit for bit."""
+def test_cuda_graph_capture(monkeypatch, mode):
+    """Few programs (B = 1, HV = 4): the forward in time segments (at a length the launcher would
+    leave whole, SEGMENT_MIN_TOKEN_HEADS) and the backward's forked carry both launch on a side
+    stream. Captured in a CUDA graph (a forward under no_grad, or a whole forward + backward) and
+    replayed after new inputs are copied in, the results equal the eager ones bit for bit."""
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     T, H, K, V = 1500, 4, 128, 128
     x = make_inputs(1, T, H, H, K, V, dtype=torch.bfloat16, device='cuda')
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}

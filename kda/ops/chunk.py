@@ -302,6 +302,11 @@ FORWARD_SEGMENTS = 4
 # (H200: a chunk step of the few-program sweep ~3 us, 1.58 ms at (1, 32768, 32); stage 1 ~2.2 ns a
 # token-head, 2.34 ms there; so 3 us / 64 tokens / 2.2 ns ~ 21 heads).
 SEGMENT_BALANCE = 20
+# Token-heads below which the forward is not segmented: each segment adds ~5 launches and a
+# dozen views on the host (an estimate: ~0.1 ms a segment), and a call already spends ~1 ms there,
+# so a forward that takes the GPU ~2 ms or less (H200, K = V = 128: (1, 16384, 32), 1.97 ms whole)
+# would wait on the host instead. Measured there: 1.71-1.94 ms segmented in two calls.
+SEGMENT_MIN_TOKEN_HEADS = 1 << 19
 
 
 def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayout, cu_seqlens,
@@ -310,7 +315,8 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     fused sweep one after the other, so that each segment's sweep runs beside the next
     segment's stage 1; None for one pass over the whole sequence. Segmented only where the sweep
     leaves SMs idle (fewer programs than SMs, FEW_PROGRAMS) and a segment is a contiguous view of
-    every tensor: one sequence of fixed length (B = 1), without ``store_states``.
+    every tensor: one sequence of fixed length (B = 1), without ``store_states``, long enough
+    (``SEGMENT_MIN_TOKEN_HEADS``) that the GPU, not the host, sets the time.
 
     The first segment's stage 1 runs alone, at full speed; each later one beside the previous
     segment's sweep, which slows both; the last segment's sweep runs alone at the end. Where the
@@ -323,7 +329,8 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     two sweep programs an SM, 3.372 whole, 3.327 by 0.6. A lighter sweep beside stage 1 loses:
     at (1, 32768, 32), 3.331 against 4.045 capped at 168 registers, 4.526 at 128, 4.186 with
     2 warps (stage 1's pair products 1.58 -> 1.29-1.36 ms, the sweeps 1.87 -> 2.60-3.15)."""
-    if cu_seqlens is not None or B != 1 or store_states or layout.NT < 2:
+    if (cu_seqlens is not None or B != 1 or store_states or layout.NT < 2
+            or T * HV < SEGMENT_MIN_TOKEN_HEADS):
         return None
     if HV * cdiv(V, launch_config('state_output', K, V)['BV']) >= sm_count(device):
         return None
