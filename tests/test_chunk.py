@@ -559,19 +559,20 @@ def test_forward_segments(monkeypatch):
         monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6 if few else 1)
         layout = chunk_mod.chunk_layout(B, T, 64, None, None)
         return chunk_mod.forward_segments(B, T, HV, 128, V, layout, torch.zeros(2) if varlen else None,
-                                          store, cpu, torch.bfloat16)
+                                          store, cpu)
 
     assert segments(1, 16384, 32) is not None and segments(1, 8192, 32) is None
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
-    for T, HV in ((32768, 32), (32768, 64), (65536, 16), (200, 4), (129, 40), (65, 1)):
+    for T, HV in ((32768, 32), (32768, 64), (65536, 16), (32769, 32), (200, 4), (129, 40), (65, 1),
+                  *((T, HV) for T in (257, 300, 320, 1000, 8191) for HV in (4, 20, 21, 40))):
         seg = segments(1, T, HV)
-        assert seg[0][0] == 0 and seg[-1][1] == T and len(seg) <= chunk_mod.FORWARD_SEGMENTS, seg
+        assert seg[0][0] == 0 and seg[-1][1] == T, seg
+        assert len(seg) == min(chunk_mod.FORWARD_SEGMENTS, -(-T // 64)), seg
         assert all(a[1] == b[0] for a, b in zip(seg, seg[1:])), seg
         assert all(t0 % 64 == 0 and t1 > t0 for t0, t1 in seg), seg
         lengths = [t1 - t0 for t0, t1 in seg[:-1]]
         assert lengths == sorted(lengths, reverse=True), seg
-        if T % 64 == 0 and T >= 4 * 64 * 4:
-            assert len(seg) == chunk_mod.FORWARD_SEGMENTS
+        if T % (64 * chunk_mod.FORWARD_SEGMENTS) == 0 and T >= 4096:
             assert (max(lengths) == min(lengths)) == (HV <= chunk_mod.SEGMENT_BALANCE), seg
     assert segments(1, 64, 4) is None                  # one chunk
     assert segments(2, 4096, 4) is None                # a segment would not be a contiguous view
@@ -581,15 +582,21 @@ def test_forward_segments(monkeypatch):
 
 
 @requires_kernels
-@pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0'])
+@pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference'])
 def test_segmented_forward(monkeypatch, case):
     """The forward in time segments (forced by claiming a huge GPU, at a length the launcher would
-    leave whole): outputs, final state and every
-    gradient bit for bit those of the forward in one pass, which the other tests check against
-    float64 (the same chunk steps, the state handed from segment to segment in float32)."""
-    T = 200 if case.startswith('T200') else 193
+    leave whole): outputs, final state and every gradient bit for bit those of the forward in one
+    pass, which the other tests check against float64 (the same chunk steps, the state handed from
+    segment to segment in float32). 'gate-nofinal-inference': the Kimi gate activated in the first
+    kernel, no final state (the last segment stores none), under no_grad."""
+    T = int(case.split('-')[0][1:])
     dtype = torch.float32 if 'fp32' in case else torch.float16
-    vfirst, with_h0 = 'vfirst' in case, 'noh0' not in case
+    vfirst, with_h0, final = 'vfirst' in case, 'noh0' not in case, 'nofinal' not in case
+    opts = dict(use_qk_l2norm_in_kernel=True)
+    if 'gate' in case:
+        opts.update(use_gate_in_kernel=True, A_log=torch.log(1 + 15 * torch.rand(4)).to(KDEV),
+                    dt_bias=(0.1 * torch.randn(4 * 32)).to(KDEV), safe_gate=True, lower_bound=-5.0,
+                    use_beta_sigmoid_in_kernel=True)
     monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     x = make_inputs(1, T, 2, 4, 32, 48, dtype=dtype, device=KDEV)
@@ -599,15 +606,20 @@ def test_segmented_forward(monkeypatch, case):
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: seen.append(segments(*a)) or seen[-1])
 
     def run():
+        if not final:
+            with torch.no_grad():
+                o, ht = chunk_kda(**x, initial_state=h0, state_v_first=vfirst, **opts)
+            assert ht is None
+            return [o]
         leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
         state = None if h0 is None else h0.clone().requires_grad_()
         o, ht = chunk_kda(**leaves, initial_state=state, output_final_state=True, state_v_first=vfirst,
-                          use_qk_l2norm_in_kernel=True)
+                          **opts)
         (o.float().sin().sum() + ht.cos().sum()).backward()
         return [o, ht] + [t.grad for t in (*leaves.values(), state) if t is not None]
 
     got = run()
-    assert seen[-1] is not None and len(seen[-1]) == 4, seen
+    assert seen[-1] is not None and len(seen[-1]) == min(4, -(-T // 64)), seen
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
     for name, a, b in zip(['o', 'ht', *x, 'h0'], got, run()):
         assert torch.equal(a, b), name
@@ -1396,8 +1408,8 @@ def test_cuda_segmented_forward_on_a_user_stream(monkeypatch):
             return chunk_kda(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     layout = chunk_mod.chunk_layout(1, 3000, 64, None, None)
-    assert chunk_mod.forward_segments(1, 3000, 4, 128, 128, layout, None, False, torch.device('cuda'),
-                                      torch.bfloat16) is not None
+    assert chunk_mod.forward_segments(1, 3000, 4, 128, 128, layout, None, False,
+                                      torch.device('cuda')) is not None
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -1418,6 +1430,8 @@ def test_cuda_graph_capture(monkeypatch, mode):
     replayed after new inputs are copied in, the results equal the eager ones bit for bit."""
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     T, H, K, V = 1500, 4, 128, 128
+    layout = chunk_mod.chunk_layout(1, T, 64, None, None)
+    assert chunk_mod.forward_segments(1, T, H, K, V, layout, None, False, torch.device('cuda')) is not None
     x = make_inputs(1, T, H, H, K, V, dtype=torch.bfloat16, device='cuda')
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     state = make_state(1, H, K, V, device='cuda').requires_grad_()

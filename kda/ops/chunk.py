@@ -13,6 +13,7 @@ corrections (``kernels/chunk_state.py``), then runs the state-gradient sweep
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, fields
 
 import torch
@@ -310,7 +311,7 @@ SEGMENT_MIN_TOKEN_HEADS = 1 << 19
 
 
 def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayout, cu_seqlens,
-                     store_states: bool, device, dtype: torch.dtype) -> list[tuple[int, int]] | None:
+                     store_states: bool, device) -> list[tuple[int, int]] | None:
     """Token ranges ``[t0, t1)`` (whole chunks) in which ``chunk_kda_fwd`` runs stage 1 and the
     fused sweep one after the other, so that each segment's sweep runs beside the next
     segment's stage 1; None for one pass over the whole sequence. Segmented only where the sweep
@@ -337,8 +338,13 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     S = min(FORWARD_SEGMENTS, layout.NT)
     ratio = min(1.0, max(0.6, SEGMENT_BALANCE / HV))
     weights = [ratio ** i for i in range(S)]
-    ends = [round(layout.NT * sum(weights[:i + 1]) / sum(weights)) for i in range(S - 1)]
-    bounds = sorted({0, T, *(layout.BT * c for c in ends if 0 < c < layout.NT)})
+    # Whole chunks a segment: one each, the others shared by weight, rounded down, what rounding
+    # left one each to the first segments; the counts never grow from one segment to the next.
+    counts = [1 + int((layout.NT - S) * w / sum(weights)) for w in weights]
+    for i in range(layout.NT - sum(counts)):
+        counts[i] += 1
+    ends = list(itertools.accumulate(counts))
+    bounds = [0, *(layout.BT * e for e in ends[:-1]), T]
     return list(zip(bounds, bounds[1:]))
 
 
@@ -377,7 +383,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, **blocks,
             **head_dims(q, v, part_layout, cu_seqlens))
 
-    segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev, dt)
+    segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     if segments is None:
         s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV)
         sweep(s1, slice(0, T), layout, initial_state, final_state)
