@@ -1365,6 +1365,18 @@ def test_cuda_gradients(dtype):
     check_gradients_vs_float64(dtype, B=2, T=512, H=2, HV=4, K=128, V=128)
 
 
+def on_a_user_stream(fn):
+    """``fn()`` called from a new stream of the caller's, whose freed memory is overwritten with NaN
+    right after (what a launch left running on a side stream would still read)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = fn()
+        torch.full((64 << 20,), float('nan'), device='cuda')
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
 @requires_cuda
 def test_cuda_backward_on_a_user_stream():
     """Few programs (B = 1, HV = 2): the backward forks its carry onto a side stream
@@ -1382,13 +1394,7 @@ def test_cuda_backward_on_a_user_stream():
 
     assert chunk_mod.transposed_sweeps(1, 2, 64, 64, torch.device('cuda'), torch.bfloat16)
     expected = grads()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        got = grads()
-        torch.full((64 << 20,), float('nan'), device='cuda')
-    torch.cuda.current_stream().wait_stream(stream)
-    for a, b in zip(got, expected):
+    for a, b in zip(on_a_user_stream(grads), expected):
         assert torch.equal(a, b)
 
 
@@ -1410,12 +1416,7 @@ def test_cuda_segmented_forward_on_a_user_stream(monkeypatch):
     layout = chunk_mod.chunk_layout(1, 3000, 64, None, None)
     assert chunk_mod.forward_segments(1, 3000, 4, 128, 128, layout, None, False,
                                       torch.device('cuda')) is not None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        got = forward()
-        torch.full((64 << 20,), float('nan'), device='cuda')
-    torch.cuda.current_stream().wait_stream(stream)
+    got = on_a_user_stream(forward)
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
     for a, b in zip(got, forward()):
         assert torch.equal(a, b)
