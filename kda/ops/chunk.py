@@ -2,7 +2,9 @@
 
 Forward: stage 1 (``kernels/chunk_intra.py``: cumulative decay, decayed keys and queries, the
 in-chunk matrices and M), then one sweep over the chunks that carries the state and forms the
-outputs, applying M inside (``kernels/chunk_state_output.py``). Backward recomputes stage 1's
+outputs, applying M inside (``kernels/chunk_state_output.py``); for one long sequence with few
+sweep programs, both in time segments, each segment's sweep beside the next segment's stage 1
+(``forward_segments``). Backward recomputes stage 1's
 per-token tensors from the saved inputs and keeps the forward's in-chunk matrices Aqk, A' and M
 (``[B, T, HV, BT]`` each; nothing ``[.., K]``- or state-sized is kept between forward and backward
 unless ``disable_recompute=True``); it carries the state again, storing every chunk's state and
