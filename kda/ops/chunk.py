@@ -254,11 +254,15 @@ class Stage1:
     Minv: torch.Tensor
 
 
-def stage1_buffers(B: int, T: int, HV: int, K: int, BT: int, device, dtype: torch.dtype) -> Stage1:
-    """Uninitialized stage-1 tensors for ``[B, T]`` tokens of ``dtype`` inputs."""
+def stage1_buffers(B: int, T: int, HV: int, K: int, BT: int, device, dtype: torch.dtype,
+                   matrices: bool = True) -> Stage1:
+    """Uninitialized stage-1 tensors for ``[B, T]`` tokens of ``dtype`` inputs; without
+    ``matrices``, None for Aqk, A' and M."""
     gc = torch.empty(B, T, HV, K, dtype=torch.float32, device=device)
     # Decayed keys and queries for the state sweeps and the outputs.
     kbar, qt, kg = (torch.empty(B, T, HV, K, dtype=dtype, device=device) for _ in range(3))
+    if not matrices:
+        return Stage1(gc, qt, kbar, kg, None, None, None)
     # Aqk and M are only ever matrix-product operands after the kernel that forms them, rounded
     # to the input dtype there anyway: kept in it, bit for bit the same results. A' is not: the
     # solve reads it in float32 (its products keep float32 operands, mm_fine) and the beta
@@ -280,7 +284,7 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     dt = q.dtype
     is_varlen = cu_seqlens is not None
     chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
-    s1 = out if out is not None else stage1_buffers(B, T, HV, K, BT, q.device, dt)
+    s1 = out if out is not None else stage1_buffers(B, T, HV, K, BT, q.device, dt, matrices is None)
     cfg = launch_config('cumsum', K, K)
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
