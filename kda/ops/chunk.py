@@ -166,12 +166,18 @@ def launch_config(stage: str, K: int, V: int) -> dict:
     return cfg
 
 
+def few_programs(stage: str, K: int, V: int, sequence_heads: int, device) -> bool:
+    """Whether a state sweep over ``sequence_heads`` (sequence, value head) pairs, at TUNING's
+    value slices, has fewer programs than the device has SMs (FEW_PROGRAMS)."""
+    return sequence_heads * cdiv(V, launch_config(stage, K, V)['BV']) < sm_count(device)
+
+
 def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
                         dtype: torch.dtype) -> dict:
     """``launch_config`` of a state sweep over ``sequence_heads`` (sequence, value head) pairs of
     ``dtype`` inputs, with FEW_PROGRAMS applied when they would leave SMs idle."""
     cfg = launch_config(stage, K, V)
-    if sequence_heads * cdiv(V, cfg['BV']) < sm_count(device):
+    if few_programs(stage, K, V, sequence_heads, device):
         cfg['BV'] = max(16, cfg['BV'] // 2)
         cfg.update({n: x for n, x in FEW_PROGRAMS[stage].items() if x is not None})
         cfg['BV'] = min(cfg['BV'], next_pow2(V))
@@ -236,11 +242,6 @@ def head_dims(q, v, layout: ChunkLayout, cu_seqlens) -> dict:
                 DOT_DTYPE=DOT_DTYPES[q.dtype], IS_VARLEN=cu_seqlens is not None)
 
 
-def astuple_shallow(x) -> tuple:
-    """A dataclass's fields in order, not copied (``dataclasses.astuple`` deep-copies tensors)."""
-    return tuple(getattr(x, f.name) for f in fields(x))
-
-
 @dataclass
 class Stage1:
     """Stage 1's per-token outputs: cumulative log-decay ``gc`` (float32), decayed queries ``qt``
@@ -252,6 +253,10 @@ class Stage1:
     Aqk: torch.Tensor
     Akk: torch.Tensor
     Minv: torch.Tensor
+
+    def tokens(self, part: slice) -> Stage1:
+        """Views of every tensor's tokens ``part`` (axis 1)."""
+        return Stage1(*(getattr(self, f.name)[:, part] for f in fields(self)))
 
 
 def stage1_buffers(B: int, T: int, HV: int, K: int, BT: int, device, dtype: torch.dtype,
@@ -339,7 +344,7 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     if (cu_seqlens is not None or B != 1 or store_states or layout.NT < 2
             or T * HV < SEGMENT_MIN_TOKEN_HEADS):
         return None
-    if HV * cdiv(V, launch_config('state_output', K, V)['BV']) >= sm_count(device):
+    if not few_programs('state_output', K, V, HV, device):
         return None
     S = min(FORWARD_SEGMENTS, layout.NT)
     ratio = min(1.0, max(0.6, SEGMENT_BALANCE / HV))
@@ -401,7 +406,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         for i, (t0, t1) in enumerate(segments):
             part = slice(t0, t1)
             part_layout = chunk_layout(B, t1 - t0, layout.BT, None, None)
-            s1_part = Stage1(*(x[:, part] for x in astuple_shallow(s1)))
+            s1_part = s1.tokens(part)
             chunk_stage1(q[:, part], k[:, part], g[:, part], beta[:, part], scale, None, part_layout,
                          gate, HV, out=s1_part)
             side = fork(dev)
