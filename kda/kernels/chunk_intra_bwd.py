@@ -7,8 +7,12 @@ Inputs per chunk: ``h_c`` and ``dh_c`` (state before the chunk, gradient of the 
 
     dAqk = dO dV^T                       dQt = dO h_c^T          dKbar = dV dh_c^T
     dW   = -d(dV) h_c^T                  dU  = d(dV)
-    dX   = M^T [dW | dU]                 dA  = -dX [W | U]^T     (strictly lower part)
+    dX   = M^T [dW | dU]                 dA  = -dX [W | U]^T = -dX_u dV^T   (strictly lower part)
     dv   = beta dX_u,   dKt = beta dX_w,  dbeta = rowsum(dX_w Kt + dX_u v + dA A'),  dA' = diag(beta) dA
+
+``dA`` through ``dV`` itself: ``dX_w W^T = M^T dW W^T = -dX_u (W h_c)^T``, so
+``dX [W | U]^T = dX_u (U - W h_c)^T = dX_u dV^T`` (the gradient of ``(I + A) dV = X'`` in ``A``),
+one ``[BT, V] x [V, BT]`` product on tiles the value side loads anyway; neither W nor U is formed.
 
 Then the decayed pair products ``P[i, j] = sum_d a_id b_jd exp(c_id - c_jd)`` (Aqk with a = q,
 scale in dP; A' with a = k) give ``da_i = sum_j dP_ij b_j exp(c_i - c_j)``,
@@ -226,7 +230,7 @@ def chunk_intra_bwd_kernel(
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
 
-    # Value side: dAqk, dv and the U part of dA.
+    # Value side: dAqk, dv and dA (all of it: -dX_u dV^T, see the docstring).
     for i_v in range(tl.cdiv(V, BV)):
         b_do = load_tile(do_base, 0, L, HV * V, i_v * BV, V, BT, BV)
         b_vn = load_tile(vn_base, 0, L, HV * V, i_v * BV, V, BT, BV)
@@ -236,14 +240,20 @@ def chunk_intra_bwd_kernel(
         b_xu = mm(tl.trans(b_M), b_dvn, DOT_DTYPE)
         store_tile(dv_base, b_xu * b_beta[:, None], 0, L, HV * V, i_v * BV, V, BT, BV)
         b_db += tl.sum(b_xu * b_v, axis=1)
-        b_U = mm(b_M, b_v * b_beta[:, None], DOT_DTYPE)
-        b_dA -= mm(b_xu, tl.trans(b_U), DOT_DTYPE)
+        b_dA -= mm(b_xu, tl.trans(b_vn), DOT_DTYPE)
 
-    # Done with dAqk: to scratch now, so it holds no registers through the key side.
+    # Done with dAqk and dA: to scratch now, so they hold no registers through the key side.
     b_dAqk = tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.)
     store_tile(dAqk + P_off, b_dAqk, 0, L, HV * BT, 0, BT, BT, BT)
+    # A = diag(beta) A': the beta gradient's A part, then the pair-matrix gradient.
+    # Blocks above the diagonal of Akk were never written: select, don't multiply by zero.
+    b_Akk = load_tile(Akk + P_off, 0, L, HV * BT, 0, BT, BT, BT)
+    m_strict = o_t[:, None] > o_t[None, :]
+    b_dA = tl.where(m_strict, b_dA, 0.)
+    b_db += tl.sum(tl.where(m_strict, b_dA * b_Akk, 0.), axis=1)
+    store_tile(dAkk + P_off, b_dA * b_beta[:, None], 0, L, HV * BT, 0, BT, BT, BT)
 
-    # Key side, one K-slice at a time: the state terms, the W part of dA, and dq, dk, dc so far.
+    # Key side, one K-slice at a time: the state terms, and dq, dk, dc so far.
     for i_k in range(tl.cdiv(K, BK)):
         b_dqt = tl.zeros([BT, BK], dtype=tl.float32)
         b_dkbar = tl.zeros([BT, BK], dtype=tl.float32)
@@ -267,8 +277,6 @@ def chunk_intra_bwd_kernel(
         b_ebar = exp_nonpos(b_last[None, :] - b_c)
         b_kt = b_k * b_e
         b_xw = mm(tl.trans(b_M), b_dw, DOT_DTYPE)
-        b_W = mm(b_M, b_kt * b_beta[:, None], DOT_DTYPE)
-        b_dA -= mm(b_xw, tl.trans(b_W), DOT_DTYPE)
         b_dkt = b_xw * b_beta[:, None]
         b_db += tl.sum(b_xw * b_kt, axis=1)
         b_dc = b_dqt * b_q * b_e * scale + b_dkt * b_kt - b_dkbar * b_k * b_ebar
@@ -278,14 +286,7 @@ def chunk_intra_bwd_kernel(
         store_tile(dk_base, b_dkt * b_e + b_dkbar * b_ebar, 0, L, HV * K, i_k * BK, K, BT, BK)
         store_tile(dg_base, b_dc, 0, L, HV * K, i_k * BK, K, BT, BK)
 
-    # A = diag(beta) A': the beta gradient, then the pair-matrix gradients to scratch.
-    # Blocks above the diagonal of Akk were never written: select, don't multiply by zero.
-    b_Akk = load_tile(Akk + P_off, 0, L, HV * BT, 0, BT, BT, BT)
-    m_strict = o_t[:, None] > o_t[None, :]
-    b_dA = tl.where(m_strict, b_dA, 0.)
-    b_db += tl.sum(tl.where(m_strict, b_dA * b_Akk, 0.), axis=1)
     tl.store(dbeta + (start + o_t) * HV + i_hv, b_db, mask=o_t < L)
-    store_tile(dAkk + P_off, b_dA * b_beta[:, None], 0, L, HV * BT, 0, BT, BT, BT)
 
 
 @triton.jit
