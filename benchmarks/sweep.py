@@ -50,8 +50,8 @@ CANDIDATES = {
                  cfg(32, None, 4, 2, 128)],
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
     # Square tiles only (kda.ops.chunk.launch_config says why).
-    'intra_bwd': [cfg(32, 32, 4, 1), cfg(32, 32, 4, 1, 168), cfg(32, 32, 4, 1, 192), cfg(32, 32, 4, 1, 208),
-                  cfg(32, 32, 4, 2, 168), cfg(32, 32, 4, 1, 128)],
+    'intra_bwd': [cfg(64, 64, 8, 1), cfg(64, 64, 8, 2), cfg(64, 64, 4, 1), cfg(64, 64, 8, 1, 128),
+                  cfg(32, 32, 4, 1), cfg(32, 32, 4, 1, 208)],
     'pair_bwd': [cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168), cfg(64, None, 4, 2, 128),
                  cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(64, None, 8, 2, 128)],
     'pair_bwd_bounded': [cfg(64, None, 4, 2, 128), cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168),
