@@ -18,7 +18,7 @@
 # Environment: SHARDS, TEST_SECONDS / WARM_SECONDS / BENCH_SECONDS (limits; 0 skips that phase:
 # a session can run tests and warm-ups in one call and the benchmark in a second on the same
 # machine, where FLA's picks are still on disk), WARM_BACKWARD=0 (no FLA backward warm-up: pair it with BENCH_ARGS=--fla-forward-only),
-# BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs). At most 8 files come back from a device (9 with fla_autotune.tgz: keep the tests and the warm-ups in separate calls)
+# BENCH_ARGS (extra bench.py arguments), PARTS0 / PARTS1 (bench parts per GPU with two GPUs; with one GPU, PARTS0 alone, default all). At most 8 files come back from a device (9 with fla_autotune.tgz: keep the tests and the warm-ups in separate calls)
 # call: pytest.log, warm.log, bench.<gpu>.log, results.<gpu>.md, gpu.txt, the plot.
 # FLA comes from a carried wheel when .whl/ holds one (see benchmarks/FLA_NOTES.md).
 # FLA's autotuner picks travel too: after the warm-ups the script packs Triton's cached picks
@@ -91,7 +91,7 @@ ALL=fwd,gate_fwd,fwdbwd,gate_fwdbwd,profile,gate_profile,decode,throughput
 if [ "$GPUS" -ge 2 ]; then
     PARTS=(${PARTS0:-fwd,gate_fwd,decode} ${PARTS1:-profile,gate_profile,throughput,fwdbwd,gate_fwdbwd})
 else
-    PARTS=($ALL)
+    PARTS=(${PARTS0:-$ALL})
 fi
 pids=()
 for g in "${!PARTS[@]}"; do
