@@ -8,11 +8,13 @@ Inputs per chunk: ``h_c`` and ``dh_c`` (state before the chunk, gradient of the 
     dAqk = dO dV^T                       dQt = dO h_c^T          dKbar = dV dh_c^T
     dW   = -d(dV) h_c^T                  dU  = d(dV)
     dX   = M^T [dW | dU]                 dA  = -dX [W | U]^T = -dX_u dV^T   (strictly lower part)
-    dv   = beta dX_u,   dKt = beta dX_w,  dbeta = rowsum(dX_w Kt + dX_u v + dA A'),  dA' = diag(beta) dA
+    dv   = beta dX_u,   dKt = beta dX_w,  dA' = diag(beta) dA,
+    dbeta = rowsum(dX_w * Kt + dX_u * v + dA * A')      (* element-wise)
 
 ``dA`` through ``dV`` itself: ``dX_w W^T = M^T dW W^T = -dX_u (W h_c)^T``, so
-``dX [W | U]^T = dX_u (U - W h_c)^T = dX_u dV^T`` (the gradient of ``(I + A) dV = X'`` in ``A``),
-one ``[BT, V] x [V, BT]`` product on tiles the value side loads anyway; neither W nor U is formed.
+``dX [W | U]^T = dX_u (U - W h_c)^T = dX_u dV^T``, the gradient in ``A`` of
+``(I + A) dV = diag(beta) (V - Kt h_c)``: one ``[BT, V] x [V, BT]`` product on tiles the value
+side loads anyway (``dV`` as the state carry stored it); neither W nor U is formed.
 
 Then the decayed pair products ``P[i, j] = sum_d a_id b_jd exp(c_id - c_jd)`` (Aqk with a = q,
 scale in dP; A' with a = k) give ``da_i = sum_j dP_ij b_j exp(c_i - c_j)``,

@@ -98,10 +98,12 @@ TUNING = {
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
     # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
     'state_bwd': dict(BV=64, num_warps=4, num_stages=2),
-    # 4 warps spill 724 B a thread here (8 warps: 152 B; triton 3.6, ptxas -v) yet ran 2.27 ms
-    # against 3.49 ms at 8 warps (H200 sweep at 15d04d2, (8, 4096, 16)). With dA formed on the
-    # value side (eleventh session): 64-wide with 8 warps 1.710 ms against 1.905 32-wide with 4
-    # (8 warps 2.753, 2 stages 1.948; ptxas: 1464 against 512 B of spills a thread).
+    # H200, (8, 4096, 16), ms a call. With dA formed on the value side (eleventh session, BENCHMARKS.md
+    # note 67): 64-wide with 8 warps 1.710 (one program an SM), 64-wide with 4 warps 1.834, 2 stages
+    # 1.805, capped at 128 registers 2.070; 32-wide with 4 warps 1.905 (the earlier setting), with 8
+    # 2.753. The kernel before that change took 2.531 at 64-wide with 8 warps. Earlier history of the
+    # 32-wide kernel: 4 warps spilled 724 B a thread (8 warps: 152 B; triton 3.6, ptxas -v) yet ran
+    # 2.27 ms against 3.49 at 8 warps (sweep at 15d04d2).
     'intra_bwd': dict(BK=64, BV=64, num_warps=8, num_stages=1),
     # H200 sweep at 3598f32, (8, 4096, 16): capped at 168 registers, 2.00 ms a call against 2.53
     # uncapped (3 programs an SM instead of 2); 1 stage 2.48 capped, 3.42 not; 32-wide >= 3.08.
