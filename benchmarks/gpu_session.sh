@@ -5,7 +5,9 @@
 # Phase 1: the test suite in SHARDS parallel pytest processes (default 14; its time is mostly
 # single-threaded kernel compiles), alone: on a 2-GPU, 32-core host, 20 shards side by side with
 # FLA's warm-ups left 8 shards unfinished after 170 s; alone, 14 shards took ~200 s on the
-# 16-core host. Phase 2, when FLA is there: one benchmarks/warm_fla.py process per FLA tuning
+# 16-core host at an earlier suite; with 322 tests (eleventh session) 12 of 14 finished in
+# 168-291 s and two were cut at 300 s (their tests, re-run as four shards of 28 alone, took
+# 66-99 s each): give one GPU ~360 s, or a call of its own. Phase 2, when FLA is there: one benchmarks/warm_fla.py process per FLA tuning
 # case, so that FLA's autotuner (60-100 s per head count, run one after another inside
 # bench.py) runs side by side; its picks are cached on disk for phase 3. These processes share
 # the GPUs, so FLA's autotuner times its candidates on a busy GPU (its picks may differ from an
