@@ -7,9 +7,10 @@
 # FLA's warm-ups left 8 shards unfinished after 170 s; alone, 14 shards took ~200 s on the
 # 16-core host at an earlier suite; with 322 tests (eleventh session) 12 of 14 finished in
 # 168-291 s and two were cut at 300 s (their tests, re-run as four shards of 28 alone, took
-# 66-99 s each): give one GPU ~360 s, or a call of its own. Phase 2, when FLA is there: one benchmarks/warm_fla.py process per FLA tuning
-# case, so that FLA's autotuner (60-100 s per head count, run one after another inside
-# bench.py) runs side by side; its picks are cached on disk for phase 3. These processes share
+# 66-99 s each): give one GPU ~360 s, or a call of its own.
+# Phase 2, when FLA is there: one benchmarks/warm_fla.py process per FLA tuning case, so that
+# FLA's autotuner (60-100 s per head count, run one after another inside bench.py) runs side by
+# side; its picks are cached on disk for phase 3. These processes share
 # the GPUs, so FLA's autotuner times its candidates on a busy GPU (its picks may differ from an
 # idle one's).
 # Phase 3: bench.py, each GPU timing its own parts on an otherwise idle GPU.

@@ -98,12 +98,12 @@ TUNING = {
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
     # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
     'state_bwd': dict(BV=64, num_warps=4, num_stages=2),
-    # H200, (8, 4096, 16), ms a call. With dA formed on the value side (eleventh session, BENCHMARKS.md
-    # note 67): 64-wide with 8 warps 1.710 (one program an SM), 64-wide with 4 warps 1.834, 2 stages
-    # 1.805, capped at 128 registers 2.070; 32-wide with 4 warps 1.905 (the earlier setting), with 8
-    # 2.753. The kernel before that change took 2.531 at 64-wide with 8 warps. Earlier history of the
-    # 32-wide kernel: 4 warps spilled 724 B a thread (8 warps: 152 B; triton 3.6, ptxas -v) yet ran
-    # 2.27 ms against 3.49 at 8 warps (sweep at 15d04d2).
+    # H200, (8, 4096, 16), ms a call. With dA formed on the value side (eleventh session,
+    # BENCHMARKS.md note 67): 64-wide with 8 warps 1.710 (one program an SM), with 4 warps 1.834,
+    # 2 stages 1.805, capped at 128 registers 2.070; 32-wide with 4 warps 1.905 (the earlier
+    # setting), with 8 2.753. The kernel before that change took 2.531 at 64-wide with 8 warps.
+    # Earlier history of the 32-wide kernel: 4 warps spilled 724 B a thread (8 warps: 152 B;
+    # triton 3.6, ptxas -v) yet ran 2.27 ms against 3.49 at 8 warps (sweep at 15d04d2).
     'intra_bwd': dict(BK=64, BV=64, num_warps=8, num_stages=1),
     # H200 sweep at 3598f32, (8, 4096, 16): capped at 168 registers, 2.00 ms a call against 2.53
     # uncapped (3 programs an SM instead of 2); 1 stage 2.48 capped, 3.42 not; 32-wide >= 3.08.
@@ -427,9 +427,9 @@ def chunk_kda_recompute(q, k, v, beta, initial_state, state_v_first, cu_seqlens,
                         s1: Stage1, side: torch.cuda.Stream | None = None):
     """What the backward reads of the forward: stage 1's tensors and the state carry's, every
     chunk's incoming state ``h`` and corrections ``v_new`` (``kernels/chunk_state.py``):
-    ``(gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt)``, on stage 1's tensors ``s1``. The carry is launched on ``side`` when given
-    (``chunk_kda_bwd``); its outputs are allocated on the current stream, which frees them, so
-    their memory stays in the current stream's pool."""
+    ``(gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt)``, on stage 1's tensors ``s1``. The carry is
+    launched on ``side`` when given (``chunk_kda_bwd``); its outputs are allocated on the current
+    stream, which frees them, so their memory stays in the current stream's pool."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
