@@ -123,13 +123,42 @@ def factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_c, b_r, m_r, DOT_DTYPE: tl.c
 
 
 @triton.jit
-def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
-                   P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr, BOUNDED_DECAY: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Row side of sub-block X: ``sum_{J <= X} dP[X, J] (k_J * exp(c_X - c_J))`` for both
-    pair matrices (their column partner is k in both)."""
+def pair_diag_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_qX, b_kX, b_cX, i_k, L,
+                    P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
+                    BK: tl.constexpr, BOUNDED_DECAY: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Diagonal block X of both sides (dP is zero above its diagonal): ``(d1, d2, d)`` with
+    ``d1``, ``d2`` the row side of Aqk and A' and ``d`` the column side of both. Through the middle
+    row r where the decay allows (always with BOUNDED_DECAY: steps >= -5 keep every row within 40
+    of r; otherwise tested per block), the factors and dP tiles shared by the two sides; else by
+    4-row groups (``group_*_grads``; the ``[BC, BC, BK]`` element-wise block they replaced held 255
+    registers and 420 B of spills a thread in every program)."""
+    b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
+    b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
+    b_r, m_r = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
     b_d1 = tl.zeros([BC, BK], dtype=tl.float32)
     b_d2 = tl.zeros([BC, BK], dtype=tl.float32)
+    b_d = tl.zeros([BC, BK], dtype=tl.float32)
+    if BOUNDED_DECAY:
+        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
+        b_d = factored_col_grads(b_d, b_p1, b_p2, b_qX, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
+    elif within_diag_span(b_cX, b_r, m_r):
+        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
+        b_d = factored_col_grads(b_d, b_p1, b_p2, b_qX, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
+    else:
+        b_d1, b_d2 = group_row_grads(b_p1, b_p2, b_kX, b_cX, k_base, gc_base, X, i_k, L, QK_STRIDE,
+                                     GC_STRIDE, K, BC, BK, DOT_DTYPE)
+        b_d = group_col_grads(tl.trans(b_p1), tl.trans(b_p2), b_qX, b_kX, b_cX, q_base, k_base,
+                              gc_base, X, i_k, L, QK_STRIDE, GC_STRIDE, K, BC, BK, DOT_DTYPE)
+    return b_d1, b_d2, b_d
+
+
+@triton.jit
+def pair_row_grads(b_d1, b_d2, dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
+                   P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Row side of sub-block X below the diagonal: adds ``sum_{J < X} dP[X, J] (k_J *
+    exp(c_X - c_J))`` for both pair matrices (their column partner is k in both), through the last
+    row r of J: ``exp(c_X - r) exp(r - c_J)``, both <= 1."""
     for J in range(X):
         b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, J * BC, L, BC, BC)
         b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, J * BC, L, BC, BC)
@@ -140,34 +169,15 @@ def pair_row_grads(dP1_base, dP2_base, k_base, gc_base, X, b_cX, i_k, L,
         b_eX = exp_nonpos(b_cX - b_r[None, :])
         b_d1 += mm(b_p1, b_kJ, DOT_DTYPE) * b_eX
         b_d2 += mm(b_p2, b_kJ, DOT_DTYPE) * b_eX
-    # Diagonal block (dP is zero above the diagonal): through the middle row r where the decay
-    # allows (always with BOUNDED_DECAY: steps >= -5 keep every row within 40 of r; otherwise
-    # tested per block), else by 4-row groups (group_row_grads; the [BC, BC, BK] element-wise
-    # block it replaced held 255 registers and 420 B of spills a thread in every program).
-    b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
-    b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
-    b_kX = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_r, m_r = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
-    if BOUNDED_DECAY:
-        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
-    elif within_diag_span(b_cX, b_r, m_r):
-        b_d1, b_d2 = factored_row_grads(b_d1, b_d2, b_p1, b_p2, b_kX, b_cX, b_r, m_r, DOT_DTYPE)
-    else:
-        b_g1, b_g2 = group_row_grads(b_p1, b_p2, b_kX, b_cX, k_base, gc_base, X, i_k, L, QK_STRIDE,
-                                     GC_STRIDE, K, BC, BK, DOT_DTYPE)
-        b_d1 += b_g1
-        b_d2 += b_g2
     return b_d1, b_d2
 
 
 @triton.jit
-def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
+def pair_col_grads(b_d, dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
                    P_STRIDE, QK_STRIDE, GC_STRIDE, K: tl.constexpr, BC: tl.constexpr,
-                   NC: tl.constexpr, BK: tl.constexpr, BOUNDED_DECAY: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr):
-    """Column side of sub-block X: ``sum_{I >= X} dP[I, X]^T (a_I * exp(c_I - c_X))`` with a = q
-    for Aqk and a = k for A', summed."""
-    b_d = tl.zeros([BC, BK], dtype=tl.float32)
+                   NC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Column side of sub-block X above the diagonal: adds ``sum_{I > X} dP[I, X]^T (a_I *
+    exp(c_I - c_X))`` with a = q for Aqk and a = k for A', summed, through the last row of X."""
     for I in range(X + 1, NC):
         b_p1 = load_tile(dP1_base, I * BC, L, P_STRIDE, X * BC, L, BC, BC)
         b_p2 = load_tile(dP2_base, I * BC, L, P_STRIDE, X * BC, L, BC, BC)
@@ -178,20 +188,6 @@ def pair_col_grads(dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_k, L,
         b_eI = exp_nonpos(b_cI - b_r[None, :])
         b_s = mm(tl.trans(b_p1), b_qI * b_eI, DOT_DTYPE) + mm(tl.trans(b_p2), b_kI * b_eI, DOT_DTYPE)
         b_d += b_s * exp_nonpos(b_r[None, :] - b_cX)
-    # Diagonal block: row j of the result sums over the rows i >= j of block X (as in
-    # pair_row_grads, through the middle row where the decay allows).
-    b_p1 = load_tile(dP1_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
-    b_p2 = load_tile(dP2_base, X * BC, L, P_STRIDE, X * BC, L, BC, BC)
-    b_q = load_tile(q_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_k = load_tile(k_base, X * BC, L, QK_STRIDE, i_k * BK, K, BC, BK)
-    b_r, m_r = diag_reference(b_cX, gc_base, GC_STRIDE, X, L, i_k * BK, K, BC, BK)
-    if BOUNDED_DECAY:
-        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r, DOT_DTYPE)
-    elif within_diag_span(b_cX, b_r, m_r):
-        b_d = factored_col_grads(b_d, b_p1, b_p2, b_q, b_k, b_cX, b_r, m_r, DOT_DTYPE)
-    else:
-        b_d += group_col_grads(tl.trans(b_p1), tl.trans(b_p2), b_q, b_k, b_cX, q_base, k_base, gc_base,
-                               X, i_k, L, QK_STRIDE, GC_STRIDE, K, BC, BK, DOT_DTYPE)
     return b_d
 
 
@@ -325,10 +321,18 @@ def chunk_pair_bwd_kernel(
     b_qX = load_tile(q_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
     b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
     b_cX = load_tile(gc_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-    b_dq1, b_dk2 = pair_row_grads(dAqk + P_off, dAkk + P_off, k_base, gc_base, X, b_cX, i_k, L,
-                                  HV * BT, H * K, HV * K, K, BC, BK, BOUNDED_DECAY, DOT_DTYPE)
-    b_dkc = pair_col_grads(dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X, b_cX, i_k, L,
-                           HV * BT, H * K, HV * K, K, BC, NC, BK, BOUNDED_DECAY, DOT_DTYPE)
+    # The diagonal blocks first, both sides in one helper: they share the factors and dP tiles,
+    # and only three [BC, BK] accumulators are live when the blocks below and beside it start.
+    # ptxas (triton 3.6, capped at 128 registers): spills 300 -> 124 B a thread, 520 -> 104 for
+    # the lower-bound build; H200, (8, 4096, 16): 1.779 -> 1.656 ms a call, Kimi configuration
+    # 1.717 -> 1.578 (BENCHMARKS.md note 69).
+    b_dq1, b_dk2, b_dkc = pair_diag_grads(dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X,
+                                          b_qX, b_kX, b_cX, i_k, L, HV * BT, H * K, HV * K, K, BC, BK,
+                                          BOUNDED_DECAY, DOT_DTYPE)
+    b_dq1, b_dk2 = pair_row_grads(b_dq1, b_dk2, dAqk + P_off, dAkk + P_off, k_base, gc_base, X, b_cX,
+                                  i_k, L, HV * BT, H * K, HV * K, K, BC, BK, DOT_DTYPE)
+    b_dkc = pair_col_grads(b_dkc, dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X, b_cX, i_k,
+                           L, HV * BT, H * K, HV * K, K, BC, NC, BK, DOT_DTYPE)
     b_dqX = load_tile(dq_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dq1
     b_dkX = load_tile(dk_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dk2 + b_dkc
     b_dcX = (load_tile(dg_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)

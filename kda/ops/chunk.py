@@ -109,12 +109,15 @@ TUNING = {
     # uncapped (3 programs an SM instead of 2); 1 stage 2.48 capped, 3.42 not; 32-wide >= 3.08.
     # With the diagonal blocks' products on the tensor cores (mm_fine, 9ae34fc) the cap moved:
     # 1.780 at 128 against 1.866 at 168 (3 stages 1.855, 144: 1.926; sweep at 9ae34fc).
+    # With the diagonal blocks first (twelfth session): 1.655 at 128 (3 stages 1.653, 144: 1.896,
+    # 168: 1.888, uncapped 1.894, 2 warps 2.007).
     'pair_bwd': dict(BK=64, num_warps=4, num_stages=2, maxnreg=128),
     # The same kernel compiled for the lower-bound gate (no diagonal fallback, chunk_intra_bwd.py):
     # H200 sweep at 44fc14e + BOUNDED_DECAY, Kimi configuration at (8, 4096, 16): 1.729 ms a call
     # capped at 128 against 1.878 at 168 (3 stages 1.850, 144: 1.926; the g-pre-computed build:
     # 1.994 at 168, 2.019 at 128). At 9ae34fc: 1.716 with 3 stages at 128 against 1.743 with 2
-    # (168: 1.822, 3 stages 1.808; 112: 1.954).
+    # (168: 1.822, 3 stages 1.808; 112: 1.954). Diagonal blocks first: 1.576 with 3 stages at 128
+    # (2 stages 1.585, 144: 1.768, 168: 1.821, uncapped 1.820, 2 warps 1.865).
     'pair_bwd_bounded': dict(BK=64, num_warps=4, num_stages=3, maxnreg=128),
     'gate_bwd': dict(BK=32, num_warps=4),
 }
