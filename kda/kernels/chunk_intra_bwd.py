@@ -271,17 +271,25 @@ def chunk_intra_bwd_kernel(
         b_k = load_tile(k_base, 0, L, H * K, i_k * BK, K, BT, BK)
         b_c = load_tile(gc_base, 0, L, HV * K, i_k * BK, K, BT, BK)
         b_last = load_row(gc_base, L - 1, L, HV * K, i_k * BK, K, BK)
+        # Each gradient finished and stored as soon as its inputs are (dq first): fewer tiles live
+        # at once. ptxas (triton 3.6, 64-wide, 8 warps): spills 1464 -> 828 B a thread; H200,
+        # (8, 4096, 16): 1.712 -> 1.696 ms a call (BENCHMARKS.md note 69).
         b_e = exp_nonpos(b_c)
+        b_dqt = b_dqt * b_e * scale
+        store_tile(dq_base, b_dqt, 0, L, HV * K, i_k * BK, K, BT, BK)
+        b_dc = b_dqt * b_q
         b_ebar = exp_nonpos(b_last[None, :] - b_c)
+        b_dkbar = b_dkbar * b_ebar
+        b_kd = b_dkbar * b_k
+        b_dc -= b_kd
+        b_dlast = b_dlast * exp_nonpos(b_last) + tl.sum(b_kd, axis=0)
         b_kt = b_k * b_e
         b_xw = mm(tl.trans(b_M), b_dw, DOT_DTYPE)
         b_dkt = b_xw * b_beta[:, None]
         b_db += tl.sum(b_xw * b_kt, axis=1)
-        b_dc = b_dqt * b_q * b_e * scale + b_dkt * b_kt - b_dkbar * b_k * b_ebar
-        b_dlast = b_dlast * exp_nonpos(b_last) + tl.sum(b_dkbar * b_k * b_ebar, axis=0)
+        b_dc += b_dkt * b_kt
         b_dc += tl.where(o_t[:, None] == L - 1, b_dlast[None, :], 0.)
-        store_tile(dq_base, b_dqt * b_e * scale, 0, L, HV * K, i_k * BK, K, BT, BK)
-        store_tile(dk_base, b_dkt * b_e + b_dkbar * b_ebar, 0, L, HV * K, i_k * BK, K, BT, BK)
+        store_tile(dk_base, b_dkt * b_e + b_dkbar, 0, L, HV * K, i_k * BK, K, BT, BK)
         store_tile(dg_base, b_dc, 0, L, HV * K, i_k * BK, K, BT, BK)
 
     tl.store(dbeta + (start + o_t) * HV + i_hv, b_db, mask=o_t < L)
