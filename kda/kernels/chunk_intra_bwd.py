@@ -273,7 +273,7 @@ def chunk_intra_bwd_kernel(
         b_last = load_row(gc_base, L - 1, L, HV * K, i_k * BK, K, BK)
         # Each gradient finished and stored as soon as its inputs are (dq first): fewer tiles live
         # at once. ptxas (triton 3.6, 64-wide, 8 warps): spills 1464 -> 828 B a thread; H200,
-        # (8, 4096, 16): 1.712 -> 1.696 ms a call (BENCHMARKS.md note 69).
+        # (8, 4096, 16): 1.712 -> 1.696 ms a call (BENCHMARKS.md note 70).
         b_e = exp_nonpos(b_c)
         b_dqt = b_dqt * b_e * scale
         store_tile(dq_base, b_dqt, 0, L, HV * K, i_k * BK, K, BT, BK)
