@@ -239,12 +239,27 @@ def mm_fine(a, b, DOT_DTYPE: tl.constexpr):
         return tl.dot(a, b, input_precision="tf32x3")
 
 
+# exp(x) = 2^(x log2 e): tl.exp2 compiles to one ex2.approx.ftz (MUFU.EX2); tl.exp's ex2.approx
+# without ftz takes four instructions, three of them rescaling inputs below -126 for a denormal
+# result (ptxas, sm_90a). The only difference is that results below float32's smallest normal
+# (exp(-87.3) = 1.2e-38) flush to 0: every such factor scales a key, query or gradient entry
+# of order 1 or less, so its product is below anything float32 sums keep.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp_ftz(x):
+    """``exp(x)`` with results below 1.2e-38 flushed to 0 (see LOG2E)."""
+    return tl.exp2(x * LOG2E)
+
+
 @triton.jit
 def exp_nonpos(x):
     """exp of a quantity that is mathematically <= 0 (a decay over a span of tokens). Clamping at 0
     keeps lanes whose exponent is meaningless (above the diagonal, past the chunk) finite; a NaN
-    passes through (``tl.minimum`` would drop it), so a poisoned decay stays visible."""
-    return tl.exp(tl.where(x > 0., 0., x))
+    passes through (PropagateNan.ALL: one min.NaN instruction; a plain ``tl.minimum`` would drop
+    it), so a poisoned decay stays visible."""
+    return exp_ftz(tl.minimum(x, 0., propagate_nan=tl.PropagateNan.ALL))
 
 
 # A step whose log-decay is below -104 multiplies by less than float32's smallest denormal
@@ -296,7 +311,7 @@ def within_diag_span(b_c, b_r, m_r):
 def diag_factors(b_c, b_r, m_r):
     """``(exp(c - r), exp(r - c))`` on the valid rows, 0 elsewhere (see ``diag_reference``)."""
     b_d = b_c - b_r[None, :]
-    return tl.where(m_r, tl.exp(b_d), 0.), tl.where(m_r, tl.exp(-b_d), 0.)
+    return tl.where(m_r, exp_ftz(b_d), 0.), tl.where(m_r, exp_ftz(-b_d), 0.)
 
 
 @triton.jit
