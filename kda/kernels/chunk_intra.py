@@ -9,47 +9,28 @@ For one chunk and value head, with ``c_i = g_1 + ... + g_i`` (in-chunk cumulativ
 
 The exponents ``c_i - c_j`` are never split into ``exp(c_i) * exp(-c_j)`` over a whole chunk, which
 overflows once a chunk's decay passes float32's range. The chunk is cut into ``BC``-row
-sub-blocks: an off-diagonal block (I > J) factors through the last row ``r`` of block J,
-``exp(c_i - r) * exp(r - c_j)``, both factors <= 1. A diagonal block factors through its first row
-r, one factor >= 1, for the key entries whose factored size stays in range (all of them unless a
-step decays by more than -5 on average, or keys are huge); the others ("far", float16's all) go
-through the same reference-row scheme once more, on groups of 4 rows, with only the 4 x 4
-diagonal groups formed element by element.
+sub-blocks, and row block I factors through its first row ``r``: ``exp(c_i - r) <= 1`` on its own
+rows, ``exp(r - c_j)`` on the key rows, <= 1 for every block J < I and >= 1 on the diagonal block.
+On the diagonal that holds for the key entries whose factored size stays in range (all of them
+unless a step decays by more than -5 on average, or keys are huge); the others ("far", float16's
+all) go through the same reference-row scheme once more, on groups of 4 rows, with only the 4 x 4
+diagonal groups formed element by element. One reference row for the whole row block lets the
+row factors ``q_I exp(c_I - r)``, ``k_I exp(c_I - r)`` of a key slice serve every block of the row
+(H200, (8, 4096, 16): 0.53 -> 0.33 ms a call against the last row of each block J as reference,
+which formed them again for every J; BENCHMARKS.md note 73).
 
 Three kernels, in order: ``chunk_cumsum_kernel`` (c, decayed keys and queries; the in-kernel
 gate's activation too), ``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a
-chunk) and ``chunk_solve_kernel`` (M, one program per chunk). The WY form's W = M diag(beta) Kg and
+chunk, the key slices outermost) and ``chunk_solve_kernel`` (M, one program per chunk). The WY form's W = M diag(beta) Kg and
 U = M diag(beta) v are never formed: the state sweeps apply M themselves (``chunk_state.py``). The
 backward keeps the forward's Aqk, A' and M and recomputes only the cumsum kernel's tensors.
 """
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_nonpos, load_row, load_rows,
-                                      load_tile, mm, mm_fine, store_tile)
+from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_ftz, exp_nonpos, load_row,
+                                      load_rows, load_tile, mm, mm_fine, store_tile)
 from kda.kernels.gate import log_decay_tile
-
-
-@triton.jit
-def intra_offdiag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, i_j, L,
-                           K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                           DOT_DTYPE: tl.constexpr):
-    """``(Q_I K_J^T, K_I K_J^T)`` with the decay ``exp(c_i - c_j)`` folded in, for sub-blocks
-    ``J = i_j < I = i_i``, through the last row ``r`` of block J: ``exp(c_i - r) exp(r - c_j)``."""
-    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-    b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        b_qi = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-        b_ki = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-        b_kj = load_tile(k_base, i_j * BC, L, qk_stride, i_k * BK, K, BC, BK)
-        b_ci = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
-        b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
-        b_r = load_row(gc_base, i_j * BC + BC - 1, L, gc_stride, i_k * BK, K, BK)
-        b_ei = exp_nonpos(b_ci - b_r[None, :])
-        b_kjt = tl.trans(b_kj * exp_nonpos(b_r[None, :] - b_cj))
-        b_qk += mm(b_qi * b_ei, b_kjt, DOT_DTYPE)
-        b_kk += mm(b_ki * b_ei, b_kjt, DOT_DTYPE)
-    return b_qk, b_kk
 
 
 # Diagonal blocks factor through their first row r: a key enters as k_jd exp(r_d - c_jd) >= k_jd.
@@ -71,7 +52,7 @@ def far_keys(b_k, b_c, b_r, m_r, span):
     (exponent above ``span``, a factored key above FAR_KEY, or NaN, which the 4-row scheme passes
     on). Each entry's choice reads only its own row and r, never a later row."""
     b_d = b_r[None, :] - b_c
-    b_kd = b_k * tl.exp(tl.where(b_d > span, span, b_d))
+    b_kd = b_k * exp_ftz(tl.minimum(b_d, span, propagate_nan=tl.PropagateNan.ALL))
     near = (b_d <= span) & (tl.abs(b_kd) <= FAR_KEY)
     return m_r & ~near, b_kd
 
@@ -110,79 +91,109 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, qk_stride, gc_base, 
 
 
 @triton.jit
-def intra_diag_products(q_base, k_base, qk_stride, gc_base, gc_stride, i_i, L, K: tl.constexpr,
-                        BC: tl.constexpr, BK: tl.constexpr, FACTORED: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr):
-    """The same for the diagonal block ``I = J`` (entries j > i are garbage).
+def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, gc_stride, i_i, i_k, L,
+               K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, FACTORED: tl.constexpr,
+               DOT_DTYPE: tl.constexpr):
+    """Adds key slice ``i_k`` of the diagonal block ``I = i_i`` (rows ``b_q``, ``b_k``, ``b_c``, first
+    row ``b_r``; entries j > i are garbage) to ``b_qk`` and ``b_kk``; also returns the slice's row
+    factors ``q exp(c - r)`` and ``k exp(c - r)`` (<= 1), which the blocks J < I reuse
+    (``offdiag_slice``).
 
-    ``FACTORED`` (bf16 and float32 operands): through the block's first row r on the tensor cores,
-    ``exp(c_i - r) <= 1`` times ``exp(r - c_j) >= 1``, for every key entry that ``far_keys`` keeps
-    in range (for any gate that lets every step's log-decay be above -5, every key below 2.7e3);
-    only when a slice of the block has far entries are those added by ``group_products``. The
-    choice is per key entry and reads its own row and r only, so no entry's rounding depends on a
-    later row (bit-exact causality); adding the zeros of near entries changes no bit.
-    Otherwise (float16, whose range ends at 65504): ``group_products`` for every entry."""
-    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-    b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-    m_r = ((i_i * BC + tl.arange(0, BC)) < L)[:, None]
-    for i_k in range(tl.cdiv(K, BK)):
-        b_q = load_tile(q_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-        b_k = load_tile(k_base, i_i * BC, L, qk_stride, i_k * BK, K, BC, BK)
-        b_c = load_tile(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BC, BK)
-        b_r = load_row(gc_base, i_i * BC, L, gc_stride, i_k * BK, K, BK)
-        if FACTORED:
-            b_far, b_kd = far_keys(b_k, b_c, b_r, m_r, FAR_SPAN)
-            b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :]), 0.)
-            b_kdt = tl.trans(tl.where(b_far, 0., b_kd))
-            b_qk += mm(b_q * b_up, b_kdt, DOT_DTYPE)
-            b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
-            if tl.max(b_far.to(tl.int32)) > 0:
-                b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, qk_stride, gc_base,
-                                            gc_stride, i_i, i_k, L, FAR_SPAN, K, BC, BK, DOT_DTYPE)
-        else:
+    ``FACTORED`` (bf16 and float32 operands): through r on the tensor cores, ``exp(c_i - r) <= 1``
+    times ``exp(r - c_j) >= 1``, for every key entry that ``far_keys`` keeps in range (for any gate
+    that lets every step's log-decay be above -5, every key below 2.7e3); only when the slice has
+    far entries are those added by ``group_products``. The choice is per key entry and reads its
+    own row and r only, so no entry's rounding depends on a later row (bit-exact causality); adding
+    the zeros of near entries changes no bit. Otherwise (float16, whose range ends at 65504):
+    ``group_products`` for every entry."""
+    b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :]), 0.)
+    b_qe = b_q * b_up
+    b_ke = b_k * b_up
+    if FACTORED:
+        b_far, b_kd = far_keys(b_k, b_c, b_r, m_r, FAR_SPAN)
+        b_kdt = tl.trans(tl.where(b_far, 0., b_kd))
+        b_qk += mm(b_qe, b_kdt, DOT_DTYPE)
+        b_kk += mm(b_ke, b_kdt, DOT_DTYPE)
+        if tl.max(b_far.to(tl.int32)) > 0:
             b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, qk_stride, gc_base,
-                                        gc_stride, i_i, i_k, L, -1.0, K, BC, BK, DOT_DTYPE)
+                                        gc_stride, i_i, i_k, L, FAR_SPAN, K, BC, BK, DOT_DTYPE)
+    else:
+        b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, qk_stride, gc_base,
+                                    gc_stride, i_i, i_k, L, -1.0, K, BC, BK, DOT_DTYPE)
+    return b_qk, b_kk, b_qe, b_ke
+
+
+@triton.jit
+def offdiag_slice(b_qk, b_kk, b_qe, b_ke, b_r, k_base, qk_stride, gc_base, gc_stride, i_j, i_k, L,
+                  K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Adds key slice ``i_k`` of block ``(I, J = i_j)``, ``J < I``, to ``b_qk`` and ``b_kk``: the row
+    factors of ``diag_slice`` times ``k_J exp(r - c_J)``, both factors <= 1 (r, the first row of
+    block I, comes after every row of J)."""
+    b_kj = load_tile(k_base, i_j * BC, L, qk_stride, i_k * BK, K, BC, BK)
+    b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
+    b_kjt = tl.trans(b_kj * exp_nonpos(b_r[None, :] - b_cj))
+    b_qk += mm(b_qe, b_kjt, DOT_DTYPE)
+    b_kk += mm(b_ke, b_kjt, DOT_DTYPE)
     return b_qk, b_kk
 
 
 @triton.jit
-def substitution_step(b_A, b_M, i, o_c):
-    """Row ``i`` of ``(I + A)^-1`` for strictly lower-triangular ``A``, by forward substitution:
-    ``e_i - A[i, :] @ M``, which reads only rows of ``M`` already final (``M`` starts as I)."""
-    b_a = tl.sum(tl.where(o_c[:, None] == i, b_A, 0.), axis=0)
-    b_m = tl.sum(b_a[:, None] * b_M, axis=0)
+def store_pair_block(A_base, K_base, b_qk, b_kk, scale, i_i, i_j, L, HV: tl.constexpr,
+                     BT: tl.constexpr, BC: tl.constexpr):
+    """Block ``(I, J)`` of Aqk (scaled) and A'."""
+    store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+    store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+
+
+@triton.jit
+def substitution_step(b_At, b_M, i, o_c):
+    """Row ``i`` of ``(I + A)^-1`` for strictly lower-triangular ``A``, given as ``A^T``, by forward
+    substitution: ``e_i - A[i, :] @ M``, which reads only rows of ``M`` already final (``M`` starts
+    as I). Row i of A is column i of ``A^T``, gathered across the lanes that hold it: it then
+    indexes M's rows in M's own layout. Reduced out of A instead, it came out along the other axis,
+    and each step moved it through shared memory with two barriers (ptxas, triton 3.6, sm_90a:
+    290 -> 116 instructions a step; H200, (8, 4096, 16): solve 0.170 -> 0.114 ms a call)."""
+    b_a = tl.gather(b_At, tl.full([b_At.shape[0], b_At.shape[1]], i, tl.int32), 1)
+    b_m = tl.sum(b_a * b_M, axis=0)
     return tl.where(o_c[:, None] == i, b_M - b_m[None, :], b_M)
 
 
 @triton.jit
-def diagonal_inverses(b_A1, b_A2, b_A3, b_A4, BC: tl.constexpr, N: tl.constexpr):
-    """``(I + A_n)^-1`` of the first ``N`` (2 or 4) strictly lower ``[BC, BC]`` blocks, row by row,
-    the N independent chains in one loop so that their steps overlap (the rest returned as is)."""
+def diagonal_inverses(b_At1, b_At2, b_At3, b_At4, BC: tl.constexpr, N: tl.constexpr):
+    """``(I + A_n)^-1`` of the first ``N`` (2 or 4) strictly lower ``[BC, BC]`` blocks, given
+    transposed, row by row, the N independent chains in one loop so that their steps overlap (the
+    rest returned as is)."""
     o_c = tl.arange(0, BC)
     b_I = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)
-    b_M1, b_M2, b_M3, b_M4 = b_I, b_I, b_A3, b_A4
+    b_M1, b_M2, b_M3, b_M4 = b_I, b_I, b_At3, b_At4
     if N == 4:
         b_M3, b_M4 = b_I, b_I
     for i in range(1, BC):
-        b_M1 = substitution_step(b_A1, b_M1, i, o_c)
-        b_M2 = substitution_step(b_A2, b_M2, i, o_c)
+        b_M1 = substitution_step(b_At1, b_M1, i, o_c)
+        b_M2 = substitution_step(b_At2, b_M2, i, o_c)
         if N == 4:
-            b_M3 = substitution_step(b_A3, b_M3, i, o_c)
-            b_M4 = substitution_step(b_A4, b_M4, i, o_c)
+            b_M3 = substitution_step(b_At3, b_M3, i, o_c)
+            b_M4 = substitution_step(b_At4, b_M4, i, o_c)
     return b_M1, b_M2, b_M3, b_M4
 
 
 @triton.jit
 def beta_rows_block(K_base, beta_base, I: tl.constexpr, J: tl.constexpr, L, HV: tl.constexpr,
                     BT: tl.constexpr, BC: tl.constexpr):
-    """Block ``(I, J)`` of ``A = diag(beta) A'`` (``[BC, BC]``, float32); strictly lower on the
-    diagonal (entries on and above it were never written as A')."""
+    """Block ``(I, J)`` of ``A = diag(beta) A'`` (``[BC, BC]``, float32)."""
     o_c = tl.arange(0, BC)
     b_b = tl.load(beta_base + (I * BC + o_c) * HV, mask=I * BC + o_c < L, other=0.).to(tl.float32)
-    b_A = load_tile(K_base, I * BC, L, HV * BT, J * BC, BT, BC, BC) * b_b[:, None]
-    if I == J:
-        b_A = tl.where(o_c[:, None] > o_c[None, :], b_A, 0.)
-    return b_A
+    return load_tile(K_base, I * BC, L, HV * BT, J * BC, BT, BC, BC) * b_b[:, None]
+
+
+@triton.jit
+def beta_diag_block_t(K_base, beta_base, I: tl.constexpr, L, HV: tl.constexpr, BT: tl.constexpr,
+                      BC: tl.constexpr):
+    """The diagonal block ``(I, I)`` of ``A = diag(beta) A'``, strictly lower (the entries on and
+    above its diagonal were stored as zeros), transposed for ``substitution_step``."""
+    o_c = tl.arange(0, BC)
+    b_A = beta_rows_block(K_base, beta_base, I, I, L, HV, BT, BC)
+    return tl.trans(tl.where(o_c[:, None] > o_c[None, :], b_A, 0.))
 
 
 @triton.jit
@@ -248,18 +259,41 @@ def chunk_pair_fwd_kernel(
     A_base = Aqk + start * HV * BT + i_hv * BT
     K_base = Akk + start * HV * BT + i_hv * BT
 
+    tl.static_assert(NC <= 4, "at most 4 sub-blocks a chunk (three blocks J < I)")
     o_c = tl.arange(0, BC)
-    b_qk, b_kk = intra_diag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, L, K, BC, BK,
-                                     FACTORED_DIAG, DOT_DTYPE)
+    m_r = ((i_i * BC + o_c) < L)[:, None]
+    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_qk0, b_kk0 = b_qk, b_kk
+    b_qk1, b_kk1 = b_qk, b_kk
+    b_qk2, b_kk2 = b_qk, b_kk
+    # Key slices outermost: block I's rows and their factors, formed once a slice, serve the
+    # diagonal block and every block J < I (one reference row for all of them).
+    for i_k in range(tl.cdiv(K, BK)):
+        b_q = load_tile(q_base, i_i * BC, L, H * K, i_k * BK, K, BC, BK)
+        b_k = load_tile(k_base, i_i * BC, L, H * K, i_k * BK, K, BC, BK)
+        b_c = load_tile(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BC, BK)
+        b_r = load_row(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BK)
+        b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, H * K, gc_base,
+                                            HV * K, i_i, i_k, L, K, BC, BK, FACTORED_DIAG, DOT_DTYPE)
+        if i_i > 0:
+            b_qk0, b_kk0 = offdiag_slice(b_qk0, b_kk0, b_qe, b_ke, b_r, k_base, H * K, gc_base, HV * K,
+                                         0, i_k, L, K, BC, BK, DOT_DTYPE)
+        if i_i > 1:
+            b_qk1, b_kk1 = offdiag_slice(b_qk1, b_kk1, b_qe, b_ke, b_r, k_base, H * K, gc_base, HV * K,
+                                         1, i_k, L, K, BC, BK, DOT_DTYPE)
+        if i_i > 2:
+            b_qk2, b_kk2 = offdiag_slice(b_qk2, b_kk2, b_qe, b_ke, b_r, k_base, H * K, gc_base, HV * K,
+                                         2, i_k, L, K, BC, BK, DOT_DTYPE)
     b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
     b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
-    store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
-    store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_i * BC, BT, BC, BC)
-    for i_j in range(i_i):
-        b_qk, b_kk = intra_offdiag_products(q_base, k_base, H * K, gc_base, HV * K, i_i, i_j, L,
-                                            K, BC, BK, DOT_DTYPE)
-        store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
-        store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+    store_pair_block(A_base, K_base, b_qk, b_kk, scale, i_i, i_i, L, HV, BT, BC)
+    if i_i > 0:
+        store_pair_block(A_base, K_base, b_qk0, b_kk0, scale, i_i, 0, L, HV, BT, BC)
+    if i_i > 1:
+        store_pair_block(A_base, K_base, b_qk1, b_kk1, scale, i_i, 1, L, HV, BT, BC)
+    if i_i > 2:
+        store_pair_block(A_base, K_base, b_qk2, b_kk2, scale, i_i, 2, L, HV, BT, BC)
 
 
 @triton.jit
@@ -285,16 +319,16 @@ def chunk_solve_kernel(
     beta_base = beta + start * HV + i_hv
     b_A21 = beta_rows_block(K_base, beta_base, 1, 0, L, HV, BT, BC)
     if NC == 2:
-        b_M11, b_M22, _, _ = diagonal_inverses(beta_rows_block(K_base, beta_base, 0, 0, L, HV, BT, BC),
-                                               beta_rows_block(K_base, beta_base, 1, 1, L, HV, BT, BC),
+        b_M11, b_M22, _, _ = diagonal_inverses(beta_diag_block_t(K_base, beta_base, 0, L, HV, BT, BC),
+                                               beta_diag_block_t(K_base, beta_base, 1, L, HV, BT, BC),
                                                b_A21, b_A21, BC, 2)
         b_M21 = -mm_fine(b_M22, mm_fine(b_A21, b_M11, DOT_DTYPE), DOT_DTYPE)
     else:
         b_M11, b_M22, b_M33, b_M44 = diagonal_inverses(
-            beta_rows_block(K_base, beta_base, 0, 0, L, HV, BT, BC),
-            beta_rows_block(K_base, beta_base, 1, 1, L, HV, BT, BC),
-            beta_rows_block(K_base, beta_base, 2, 2, L, HV, BT, BC),
-            beta_rows_block(K_base, beta_base, 3, 3, L, HV, BT, BC), BC, 4)
+            beta_diag_block_t(K_base, beta_base, 0, L, HV, BT, BC),
+            beta_diag_block_t(K_base, beta_base, 1, L, HV, BT, BC),
+            beta_diag_block_t(K_base, beta_base, 2, L, HV, BT, BC),
+            beta_diag_block_t(K_base, beta_base, 3, L, HV, BT, BC), BC, 4)
         b_M21 = -mm_fine(b_M22, mm_fine(b_A21, b_M11, DOT_DTYPE), DOT_DTYPE)
         b_A31 = beta_rows_block(K_base, beta_base, 2, 0, L, HV, BT, BC)
         b_A32 = beta_rows_block(K_base, beta_base, 2, 1, L, HV, BT, BC)

@@ -82,11 +82,15 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
 TUNING = {
     # H200 sweeps at 3598f32 + this table's changes, (8, 4096, 16), ms a call. maxnreg caps the
     # registers a thread so more programs fit an SM. cumsum: 0.308 capped at 96 (0.322 not, 0.407
-    # at 64). pair_fwd: 0.530 at 128 and 3 stages (0.600 uncapped, 2 stages; 4 warps >= 0.81).
+    # at 64). pair_fwd: with the key slices outermost (thirteenth session) 0.327 at 1 warp (4
+    # stages 0.326, 2 stages 0.338; 2 warps 0.481, capped at 128 0.560; 1 warp capped at 192
+    # 0.417; 64-wide 0.451, 16-wide 0.453). With more than one warp, the products' left operand
+    # [16, BK] is held whole by every warp, and so are the exponentials formed in its layout.
     # solve: 0.138 at 1 warp (0.308 at 2, 0.417 at 4: its [16, 16] blocks fill one warp); with
-    # its products as tf32x3 (9ae34fc) still 1 warp: 0.170 against 0.396 at 2, 0.668 at 4.
+    # its products as tf32x3 (9ae34fc) still 1 warp: 0.170 against 0.396 at 2, 0.668 at 4; with
+    # the gathered substitution (thirteenth session) 0.114 against 0.255 at 2 warps.
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
-    'pair_fwd': dict(BK=32, num_warps=2, num_stages=3, maxnreg=128),
+    'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
     'solve': dict(num_warps=1),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
     # H200 sweep at e525316, (8, 4096, 16) / (1, 8192, 96), ms a call: 0.418 / 0.791 with 1 stage
