@@ -489,6 +489,31 @@ def test_diagonal_block_paths(drop):
     assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"diagonal blocks, drop = {drop}")
 
 
+@requires_kernels
+def test_forward_diagonal_row_factor_below_normal():
+    """The forward's diagonal block factors through its first row r: ``exp(c_i - r)`` times a key
+    factor up to exp(76). After a drop of -75.9 (row 1) and -11.5 (row 2), row 2's factor is
+    exp(-87.4), under float32's smallest normal, while A'[2, 1] = exp(-11.5) |k_1|^2 = 1.0e-5.
+    A flushing exponential (ex2.approx.ftz) gave 0 there on the H200 (review of b1d7dd5); float32
+    inputs keep the subnormal factor. The interpreter (NumPy) never flushes, so only a GPU run
+    can fail this test."""
+    K, T = 16, 16
+    g = torch.full((1, T, 1, K), -0.01, dtype=torch.float64)
+    g[:, 1], g[:, 2] = -75.9, -11.5
+    k = torch.randn(1, T, 1, K, dtype=torch.float64)
+    k[:, 2] = k[:, 1]
+    k = k / k.norm(dim=-1, keepdim=True)
+    q = torch.randn(1, T, 1, K, dtype=torch.float64)
+    beta = torch.rand(1, T, 1, dtype=torch.float64)
+    layout = chunk_mod.chunk_layout(1, T, 32, None, None)
+    s1 = chunk_mod.chunk_stage1(*(t.float().to(KDEV) for t in (q, k, g, beta)), 1.0, None, layout,
+                                None, 1)
+    c = g[0, :, 0].cumsum(0)
+    want = (k[0, 2, 0] * k[0, 1, 0] * (c[2] - c[1]).exp()).sum().item()
+    got = s1.Akk[0, 2, 0, 1].item()
+    assert abs(got - want) <= 1e-5 * abs(want), f"A'[2, 1]: {got:.4e}, want {want:.4e}"
+
+
 @pytest.mark.skipif(not INTERPRET or HAS_CUDA, reason="patches a kernel constant, which only the "
                     "interpreter reads at run time")
 @pytest.mark.parametrize('shape', ['varlen_BT32', 'T45_BT64'])

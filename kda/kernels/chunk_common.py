@@ -242,8 +242,9 @@ def mm_fine(a, b, DOT_DTYPE: tl.constexpr):
 # exp(x) = 2^(x log2 e): tl.exp2 compiles to one ex2.approx.ftz (MUFU.EX2); tl.exp's ex2.approx
 # without ftz takes four instructions, three of them rescaling inputs below -126 for a denormal
 # result (ptxas, sm_90a). The only difference is that results below float32's smallest normal
-# (exp(-87.3) = 1.2e-38) flush to 0: every such factor scales a key, query or gradient entry
-# of order 1 or less, so its product is below anything float32 sums keep.
+# (exp(-87.3) = 1.2e-38) flush to 0. A flushed factor times a partner of order 1 or less is
+# below anything float32 sums keep; where the partner can be larger (the forward's diagonal
+# blocks, up to exp(76)), see chunk_intra.diag_slice.
 LOG2E = tl.constexpr(1.4426950408889634)
 
 

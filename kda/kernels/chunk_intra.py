@@ -21,9 +21,10 @@ which formed them again for every J; BENCHMARKS.md note 73).
 
 Three kernels, in order: ``chunk_cumsum_kernel`` (c, decayed keys and queries; the in-kernel
 gate's activation too), ``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a
-chunk, the key slices outermost) and ``chunk_solve_kernel`` (M, one program per chunk). The WY form's W = M diag(beta) Kg and
-U = M diag(beta) v are never formed: the state sweeps apply M themselves (``chunk_state.py``). The
-backward keeps the forward's Aqk, A' and M and recomputes only the cumsum kernel's tensors.
+chunk, the key slices outermost) and ``chunk_solve_kernel`` (M, one program per chunk). The WY
+form's W = M diag(beta) Kg and U = M diag(beta) v are never formed: the state sweeps apply M
+themselves (``chunk_state.py``). The backward keeps the forward's Aqk, A' and M and recomputes
+only the cumsum kernel's tensors.
 """
 import triton
 import triton.language as tl
@@ -91,12 +92,12 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, qk_stride, gc_base, 
 
 
 @triton.jit
-def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, gc_stride, i_i, i_k, L,
-               K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, FACTORED: tl.constexpr,
-               DOT_DTYPE: tl.constexpr):
-    """Adds key slice ``i_k`` of the diagonal block ``I = i_i`` (rows ``b_q``, ``b_k``, ``b_c``, first
-    row ``b_r``; entries j > i are garbage) to ``b_qk`` and ``b_kk``; also returns the slice's row
-    factors ``q exp(c - r)`` and ``k exp(c - r)`` (<= 1), which the blocks J < I reuse
+def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, gc_stride, i_i,
+               i_k, L, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+               FACTORED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Adds key slice ``i_k`` of the diagonal block ``I = i_i`` (rows ``b_q``, ``b_k``, ``b_c``,
+    first row ``b_r``; entries j > i are garbage) to ``b_qk`` and ``b_kk``; also returns the
+    slice's row factors ``q exp(c - r)`` and ``k exp(c - r)`` (<= 1), which the blocks J < I reuse
     (``offdiag_slice``).
 
     ``FACTORED`` (bf16 and float32 operands): through r on the tensor cores, ``exp(c_i - r) <= 1``
@@ -106,7 +107,16 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, 
     own row and r only, so no entry's rounding depends on a later row (bit-exact causality); adding
     the zeros of near entries changes no bit. Otherwise (float16, whose range ends at 65504):
     ``group_products`` for every entry."""
-    b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :]), 0.)
+    # The row factor meets key factors up to exp(FAR_SPAN) on the diagonal block. Flushed below
+    # 1.2e-38 (exp_ftz), a row whose block decays past 87.3 from r loses terms up to
+    # exp(76 - 87.3) = 1.2e-5 |q k| (FAR_SPAN's bound): 300x under a 16-bit operand's rounding, but
+    # not what float32 inputs promise, so for them it keeps its subnormals (tl.exp), as before
+    # the flushing exponentials (review of b1d7dd5: an A' entry of 1.0e-5 came out 0 on the H200).
+    if DOT_DTYPE == tl.float32:
+        b_up = tl.exp(tl.minimum(b_c - b_r[None, :], 0., propagate_nan=tl.PropagateNan.ALL))
+    else:
+        b_up = exp_nonpos(b_c - b_r[None, :])
+    b_up = tl.where(m_r, b_up, 0.)
     b_qe = b_q * b_up
     b_ke = b_k * b_up
     if FACTORED:
@@ -126,8 +136,8 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, 
 @triton.jit
 def offdiag_slice(b_qk, b_kk, b_qe, b_ke, b_r, k_base, qk_stride, gc_base, gc_stride, i_j, i_k, L,
                   K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Adds key slice ``i_k`` of block ``(I, J = i_j)``, ``J < I``, to ``b_qk`` and ``b_kk``: the row
-    factors of ``diag_slice`` times ``k_J exp(r - c_J)``, both factors <= 1 (r, the first row of
+    """Adds key slice ``i_k`` of block ``(I, J = i_j)``, ``J < I``, to ``b_qk`` and ``b_kk``: the
+    row factors of ``diag_slice`` times ``k_J exp(r - c_J)``, both factors <= 1 (r, the first row of
     block I, comes after every row of J)."""
     b_kj = load_tile(k_base, i_j * BC, L, qk_stride, i_k * BK, K, BC, BK)
     b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
@@ -189,8 +199,9 @@ def beta_rows_block(K_base, beta_base, I: tl.constexpr, J: tl.constexpr, L, HV: 
 @triton.jit
 def beta_diag_block_t(K_base, beta_base, I: tl.constexpr, L, HV: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr):
-    """The diagonal block ``(I, I)`` of ``A = diag(beta) A'``, strictly lower (the entries on and
-    above its diagonal were stored as zeros), transposed for ``substitution_step``."""
+    """The diagonal block ``(I, I)`` of ``A = diag(beta) A'``, transposed for ``substitution_step``;
+    strictly lower before the transpose (the pair products store zeros on and above the diagonal;
+    the mask only guards that)."""
     o_c = tl.arange(0, BC)
     b_A = beta_rows_block(K_base, beta_base, I, I, L, HV, BT, BC)
     return tl.trans(tl.where(o_c[:, None] > o_c[None, :], b_A, 0.))
@@ -274,26 +285,32 @@ def chunk_pair_fwd_kernel(
         b_k = load_tile(k_base, i_i * BC, L, H * K, i_k * BK, K, BC, BK)
         b_c = load_tile(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BC, BK)
         b_r = load_row(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BK)
-        b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, H * K, gc_base,
-                                            HV * K, i_i, i_k, L, K, BC, BK, FACTORED_DIAG, DOT_DTYPE)
+        b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, H * K,
+                                            gc_base, HV * K, i_i, i_k, L, K, BC, BK, FACTORED_DIAG,
+                                            DOT_DTYPE)
         if i_i > 0:
-            b_qk0, b_kk0 = offdiag_slice(b_qk0, b_kk0, b_qe, b_ke, b_r, k_base, H * K, gc_base, HV * K,
-                                         0, i_k, L, K, BC, BK, DOT_DTYPE)
-        if i_i > 1:
-            b_qk1, b_kk1 = offdiag_slice(b_qk1, b_kk1, b_qe, b_ke, b_r, k_base, H * K, gc_base, HV * K,
-                                         1, i_k, L, K, BC, BK, DOT_DTYPE)
-        if i_i > 2:
-            b_qk2, b_kk2 = offdiag_slice(b_qk2, b_kk2, b_qe, b_ke, b_r, k_base, H * K, gc_base, HV * K,
-                                         2, i_k, L, K, BC, BK, DOT_DTYPE)
+            b_qk0, b_kk0 = offdiag_slice(b_qk0, b_kk0, b_qe, b_ke, b_r, k_base, H * K, gc_base,
+                                         HV * K, 0, i_k, L, K, BC, BK, DOT_DTYPE)
+        # NC first, a compile-time test: with 2 sub-blocks (BT = 32) these are not compiled.
+        if NC > 2:
+            if i_i > 1:
+                b_qk1, b_kk1 = offdiag_slice(b_qk1, b_kk1, b_qe, b_ke, b_r, k_base, H * K, gc_base,
+                                             HV * K, 1, i_k, L, K, BC, BK, DOT_DTYPE)
+        if NC > 3:
+            if i_i > 2:
+                b_qk2, b_kk2 = offdiag_slice(b_qk2, b_kk2, b_qe, b_ke, b_r, k_base, H * K, gc_base,
+                                             HV * K, 2, i_k, L, K, BC, BK, DOT_DTYPE)
     b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
     b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
     store_pair_block(A_base, K_base, b_qk, b_kk, scale, i_i, i_i, L, HV, BT, BC)
     if i_i > 0:
         store_pair_block(A_base, K_base, b_qk0, b_kk0, scale, i_i, 0, L, HV, BT, BC)
-    if i_i > 1:
-        store_pair_block(A_base, K_base, b_qk1, b_kk1, scale, i_i, 1, L, HV, BT, BC)
-    if i_i > 2:
-        store_pair_block(A_base, K_base, b_qk2, b_kk2, scale, i_i, 2, L, HV, BT, BC)
+    if NC > 2:
+        if i_i > 1:
+            store_pair_block(A_base, K_base, b_qk1, b_kk1, scale, i_i, 1, L, HV, BT, BC)
+    if NC > 3:
+        if i_i > 2:
+            store_pair_block(A_base, K_base, b_qk2, b_kk2, scale, i_i, 2, L, HV, BT, BC)
 
 
 @triton.jit
@@ -319,9 +336,9 @@ def chunk_solve_kernel(
     beta_base = beta + start * HV + i_hv
     b_A21 = beta_rows_block(K_base, beta_base, 1, 0, L, HV, BT, BC)
     if NC == 2:
-        b_M11, b_M22, _, _ = diagonal_inverses(beta_diag_block_t(K_base, beta_base, 0, L, HV, BT, BC),
-                                               beta_diag_block_t(K_base, beta_base, 1, L, HV, BT, BC),
-                                               b_A21, b_A21, BC, 2)
+        b_M11, b_M22, _, _ = diagonal_inverses(
+            beta_diag_block_t(K_base, beta_base, 0, L, HV, BT, BC),
+            beta_diag_block_t(K_base, beta_base, 1, L, HV, BT, BC), b_A21, b_A21, BC, 2)
         b_M21 = -mm_fine(b_M22, mm_fine(b_A21, b_M11, DOT_DTYPE), DOT_DTYPE)
     else:
         b_M11, b_M22, b_M33, b_M44 = diagonal_inverses(
