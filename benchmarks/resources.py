@@ -56,7 +56,7 @@ KERNELS = {
                              dict(absent=OPTIONAL - {'dt_bias'}, pointers=dict(g=bf)), [(4, 2, None)]),
     'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True), {}, [(1, 3, None), (2, 3, 128)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=False, DOT_DTYPE=tl.float16),
-                      dict(dtype=torch.float16), [(2, 2, None)]),
+                      dict(dtype=torch.float16), [(1, 3, None)]),
     'solve': (chunk_solve_kernel, {}, {}, [(2, 2, None), (1, 2, None), (4, 2, None)]),
     'intra_bwd': (chunk_intra_bwd_kernel, dict(BK=64, BV=64), {}, [(8, 1, None), (4, 1, None)]),
     'pair_bwd': (chunk_pair_bwd_kernel, dict(BK=64, BOUNDED_DECAY=False), {}, [(4, 2, 128), (4, 2, 168), (4, 2, None)]),

@@ -46,8 +46,8 @@ def cfg(BK=None, BV=None, w=4, s=2, r=None):
 
 CANDIDATES = {
     'cumsum': [cfg(64, None, 4, 2), cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2, 64), cfg(32, None, 4, 2, 64)],
-    'pair_fwd': [cfg(32, None, 2, 2), cfg(32, None, 2, 2, 128), cfg(32, None, 2, 3, 128), cfg(64, None, 4, 2, 128),
-                 cfg(32, None, 4, 2, 128)],
+    'pair_fwd': [cfg(32, None, 1, 3), cfg(32, None, 1, 4), cfg(32, None, 1, 2), cfg(32, None, 1, 3, 192),
+                 cfg(32, None, 2, 3), cfg(32, None, 2, 3, 128), cfg(64, None, 1, 3), cfg(16, None, 1, 3)],
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
     # Square tiles only (kda.ops.chunk.launch_config says why).
     'intra_bwd': [cfg(64, 64, 8, 1), cfg(64, 64, 8, 2), cfg(64, 64, 4, 1), cfg(64, 64, 8, 1, 128),
