@@ -255,12 +255,17 @@ def exp_ftz(x):
 
 
 @triton.jit
-def exp_nonpos(x):
+def exp_nonpos(x, SUBNORMAL: tl.constexpr = False):
     """exp of a quantity that is mathematically <= 0 (a decay over a span of tokens). Clamping at 0
     keeps lanes whose exponent is meaningless (above the diagonal, past the chunk) finite; a NaN
     passes through (PropagateNan.ALL: one min.NaN instruction; a plain ``tl.minimum`` would drop
-    it), so a poisoned decay stays visible."""
-    return exp_ftz(tl.minimum(x, 0., propagate_nan=tl.PropagateNan.ALL))
+    it), so a poisoned decay stays visible. Results below 1.2e-38 flush to 0 (``exp_ftz``) unless
+    ``SUBNORMAL`` (``tl.exp``, four instructions), for a factor whose partner can exceed 1."""
+    x = tl.minimum(x, 0., propagate_nan=tl.PropagateNan.ALL)
+    if SUBNORMAL:
+        return tl.exp(x)
+    else:
+        return exp_ftz(x)
 
 
 # A step whose log-decay is below -104 multiplies by less than float32's smallest denormal

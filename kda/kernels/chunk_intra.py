@@ -110,13 +110,9 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, 
     # The row factor meets key factors up to exp(FAR_SPAN) on the diagonal block. Flushed below
     # 1.2e-38 (exp_ftz), a row whose block decays past 87.3 from r loses terms up to
     # exp(76 - 87.3) = 1.2e-5 |q k| (FAR_SPAN's bound): 300x under a 16-bit operand's rounding, but
-    # not what float32 inputs promise, so for them it keeps its subnormals (tl.exp), as before
-    # the flushing exponentials (review of b1d7dd5: an A' entry of 1.0e-5 came out 0 on the H200).
-    if DOT_DTYPE == tl.float32:
-        b_up = tl.exp(tl.minimum(b_c - b_r[None, :], 0., propagate_nan=tl.PropagateNan.ALL))
-    else:
-        b_up = exp_nonpos(b_c - b_r[None, :])
-    b_up = tl.where(m_r, b_up, 0.)
+    # not what float32 inputs promise, so for them it keeps its subnormals, as before the
+    # flushing exponentials (review of b1d7dd5: an A' entry of 1.0e-5 came out 0 on the H200).
+    b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :], DOT_DTYPE == tl.float32), 0.)
     b_qe = b_q * b_up
     b_ke = b_k * b_up
     if FACTORED:
