@@ -1544,8 +1544,10 @@ def test_cuda_kimi_gate_bf16():
 @pytest.mark.parametrize('gate', [False, True])
 def test_saved_for_backward(gate, dtype):
     """What a training call keeps for its backward beyond its inputs, in units of one float32
-    [B, T, HV, K] tensor: the inverse norms of q and k (2 / K; the normalized q and k, 2 more
-    units in float32, are recomputed), with the in-kernel gate the activated beta (1 / K), and
+    [B, T, HV, K] tensor: the normalized q and k in the input dtype, in place of the raw q and k
+    (which it does not keep: memory-neutral where nothing else holds them, as in a model whose
+    q and k come from a projection), and their inverse norms (2 / K); with the in-kernel gate the
+    activated beta (1 / K), and
     the in-chunk matrices Aqk and M (input dtype) and A' (float32), BT entries a token each; nothing
     [.., K]- or state-sized (c, the decayed keys and queries and the states are recomputed;
     FLA 0.6.0 keeps c), and
@@ -1574,6 +1576,9 @@ def test_saved_for_backward(gate, dtype):
     inputs = {t.untyped_storage().data_ptr() for t in leaves.values()}
     units = sum(n for p, n in saved.items() if p not in inputs) / (B * T * H * K * 4)
     BT = 64
-    expected = 2 / K + (1 / K if gate else 0) + BT * (2 * x['q'].element_size() + 4) / (4 * K)
+    itemsize = x['q'].element_size()
+    expected = 2 * itemsize / 4 + 2 / K + (1 / K if gate else 0) + BT * (2 * itemsize + 4) / (4 * K)
     assert abs(units - expected) < 0.01, f"saved {units:.3f} units for backward, expected {expected:.3f}"
+    raw = {leaves[n].untyped_storage().data_ptr() for n in ('q', 'k')}
+    assert not raw & saved.keys(), "the raw q and k are kept beside the normalized ones"
     o.sum().backward()                       # the graph is usable

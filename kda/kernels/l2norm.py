@@ -2,6 +2,9 @@
 
     y = x * r,   r = (sum_d x_d^2 + 1e-6)^(-1/2)
     dx = r * (dy - y * sum_d(dy_d y_d))
+
+The gradient reads y as the forward stored it (rounded to the input dtype, the values every
+later kernel used), not x: the backward then needs no normalization pass of its own.
 """
 import triton
 import triton.language as tl
@@ -20,13 +23,13 @@ def l2norm_fwd_kernel(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD:
 
 
 @triton.jit
-def l2norm_bwd_kernel(x, rstd, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+def l2norm_bwd_kernel(y, rstd, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None] * D + o_d[None, :]
     b_r = tl.load(rstd + o_r, mask=o_r < n_rows, other=0.)
-    b_y = tl.load(x + p, mask=m, other=0.).to(tl.float32) * b_r[:, None]
+    b_y = tl.load(y + p, mask=m, other=0.).to(tl.float32)
     b_dy = tl.load(dy + p, mask=m, other=0.).to(tl.float32)
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, axis=1)[:, None])
     tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)

@@ -551,10 +551,12 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
 class ChunkKDAFunction(torch.autograd.Function):
     """Differentiable in q, k, v, g, beta and the initial state (and, with the in-kernel gate,
     ``gate_kind`` not None, in the raw g, A_log and dt_bias); the final state's gradient flows
-    back through every chunk. With ``qk_l2norm`` q and k are normalized here and only their
-    inverse norms are kept: the backward normalizes them again (0.06 ms a tensor at
-    (8, 4096, 16) on the H200) instead of keeping two more [B, T, H, K] tensors. The gate is
-    activated inside the first kernel, forward and recompute, so nothing of it is kept either."""
+    back through every chunk. With ``qk_l2norm`` q and k are normalized here, and the normalized
+    q and k are kept with their inverse norms in place of q and k (as many bytes): the backward
+    reads them as they are and forms the raw inputs' gradients from them (``l2norm_bwd``), where
+    keeping the raw q and k cost it two more normalization passes (0.064 ms a tensor at
+    (8, 4096, 16) on the H200). The gate is activated inside the first kernel, forward and
+    recompute, so nothing of it is kept."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
@@ -573,7 +575,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         # recompute the pair products and the solve (H200, (8, 4096, 16), at 3598f32: 0.60 and
         # 0.69 ms of its 1.9 ms).
         Aqk, Akk, Minv = s1.Aqk, s1.Akk, s1.Minv
-        ctx.save_for_backward(q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+        ctx.save_for_backward(qn, kn, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                               Aqk, Akk, Minv)
         # disable_recompute: the backward's state carry runs here instead, on this call's stage 1
         # (the forward's own sweep keeps neither states nor corrections), so the gradients are the
@@ -589,10 +591,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *matrices = ctx.saved_tensors
-        qn, kn = q, k
-        if ctx.qk_l2norm:
-            qn, kn = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+        qn, kn, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *matrices = ctx.saved_tensors
         gate = None if ctx.gate_kind is None else KernelGate(ctx.gate_kind, A_log, dt_bias, ctx.lower_bound)
         # Handed over, not kept: chunk_kda_bwd frees what its later stages do not read.
         saved, ctx.saved_intermediates = ctx.saved_intermediates, None
@@ -600,8 +599,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             qn, kn, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
             do.contiguous(), None if dht is None else dht.contiguous(), saved, gate, matrices)
         if ctx.qk_l2norm:
-            dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta.to(beta.dtype),
+            dq, dk = l2norm_bwd(qn, rq, dq), l2norm_bwd(kn, rk, dk)
+        return (dq.to(qn.dtype), dk.to(kn.dtype), dv, dg, dbeta.to(beta.dtype),
                 dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None, None)
 
 

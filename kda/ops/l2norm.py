@@ -1,5 +1,5 @@
 """``use_qk_l2norm_in_kernel``: launchers of the L2 normalization of q and k and of its gradient
-(``ChunkKDAFunction`` calls them and keeps only the inverse norms for the backward)."""
+(``ChunkKDAFunction`` keeps the normalized q and k and their inverse norms for the backward)."""
 from __future__ import annotations
 
 import torch
@@ -21,11 +21,12 @@ def l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, rstd
 
 
-def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``l2norm_fwd``'s first output, from x and its saved ``rstd``."""
-    D = x.shape[-1]
-    n_rows = x.numel() // D
-    dx = torch.empty_like(x)
-    l2norm_bwd_kernel[(cdiv(n_rows, ROWS),)](x, rstd, dy.contiguous(), dx, n_rows, D=D, BR=ROWS,
+def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Gradient in x of ``(y, rstd) = l2norm_fwd(x)``, from those two outputs and dy (the gradient
+    of y); in y's dtype. y contiguous."""
+    D = y.shape[-1]
+    n_rows = y.numel() // D
+    dx = torch.empty_like(y)
+    l2norm_bwd_kernel[(cdiv(n_rows, ROWS),)](y, rstd, dy.contiguous(), dx, n_rows, D=D, BR=ROWS,
                                                    BD=next_pow2(D))
     return dx
