@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
-from kda.kernels.chunk_intra_bwd import chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
+from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
@@ -59,12 +59,13 @@ KERNELS = {
                       dict(dtype=torch.float16), [(1, 3, None)]),
     'solve': (chunk_solve_kernel, {}, {}, [(2, 2, None), (1, 2, None), (4, 2, None)]),
     'intra_bwd': (chunk_intra_bwd_kernel, dict(BK=64, BV=64), {}, [(8, 1, None), (4, 1, None)]),
-    'pair_bwd': (chunk_pair_bwd_kernel, dict(BK=64, BOUNDED_DECAY=False, GATE='none'), {},
-                 [(4, 2, 128), (4, 2, 168), (4, 2, None)]),
-    # The Kimi configuration's build: the lower-bound gate, raw bf16 g and its dg.
-    'pair_bwd_bounded': (chunk_pair_bwd_kernel, dict(BK=64, BOUNDED_DECAY=True, GATE='sigmoid'),
-                         dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'}, pointers=dict(g=bf, dg=bf)),
+    'pair_bwd': (chunk_pair_bwd_kernel, dict(BK=64, BOUNDED_DECAY=False), {}, [(4, 2, 128), (4, 2, 168), (4, 2, None)]),
+    'pair_bwd_bounded': (chunk_pair_bwd_kernel, dict(BK=64, BOUNDED_DECAY=True), {},
                          [(4, 3, 128), (4, 2, 168), (4, 2, None)]),
+    'gate_bwd': (chunk_gate_bwd_kernel, dict(BK=32, GATE='none'), {}, [(4, 2, None)]),
+    'gate_bwd_gate': (chunk_gate_bwd_kernel, dict(BK=32, GATE='sigmoid'),
+                      dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'}, pointers=dict(g=bf, dg=bf)),
+                      [(4, 2, None)]),
     'state_fwd': (chunk_state_fwd_kernel, dict(BK=128, BV=64, USE_INITIAL_STATE=False, TRANSPOSED=False), {},
                   [(4, 2, None), (8, 2, None)]),
     'state_fwd_few': (chunk_state_fwd_kernel, dict(BK=128, BV=32, USE_INITIAL_STATE=False, TRANSPOSED=True), {},

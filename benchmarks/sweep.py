@@ -36,7 +36,8 @@ KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
            'solve': 'chunk_solve_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
            'state_output': 'chunk_state_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
            'intra_bwd': 'chunk_intra_bwd_kernel', 'pair_bwd': 'chunk_pair_bwd_kernel',
-           'pair_bwd_bounded': 'chunk_pair_bwd_kernel'}
+           'pair_bwd_bounded': 'chunk_pair_bwd_kernel',
+           'gate_bwd': 'chunk_gate_bwd_kernel'}
 
 
 def cfg(BK=None, BV=None, w=4, s=2, r=None):
@@ -55,6 +56,7 @@ CANDIDATES = {
                  cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(64, None, 8, 2, 128)],
     'pair_bwd_bounded': [cfg(64, None, 4, 2, 128), cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168),
                          cfg(64, None, 4, 2, 112), cfg(64, None, 4, 3, 128)],
+    'gate_bwd': [cfg(32, None, 4, 2)],
     # FEW_PROGRAMS entries (the state sweeps where (sequence, head) pairs x value slices < SMs).
     # One stage is not offered for the carry and the gradient sweep: with 16-bit inputs the launcher
     # raises it to 2 (it faulted on the H200, see kda.ops.chunk.state_launch_config).

@@ -22,10 +22,10 @@ scale in dP; A' with a = k) give ``da_i = sum_j dP_ij b_j exp(c_i - c_j)``,
 the same sub-blocks as the forward. ``c`` is a cumulative sum, so ``dg`` is the reverse cumulative
 sum of ``dc`` (``c_last`` feeds the last row), zero where the forward clamped ``g``.
 
-Two kernels, in order: ``chunk_intra_bwd_kernel`` (one program per chunk: everything above the
+Three kernels, in order: ``chunk_intra_bwd_kernel`` (one program per chunk: everything above the
 pair products; dq, dk, dc so far), ``chunk_pair_bwd_kernel`` (one program per ``[BC, BK]`` tile:
-adds the pair-product terms; the last tile of a chunk's key slice to finish then forms dc -> dg,
-through the in-kernel gate to the raw gate, A_log and dt_bias when there is one).
+adds the pair-product terms), ``chunk_gate_bwd_kernel`` (dc -> dg; through the in-kernel gate to
+the raw gate, A_log and dt_bias when there is one).
 """
 import triton
 import triton.language as tl
@@ -296,72 +296,20 @@ def chunk_intra_bwd_kernel(
 
 
 @triton.jit
-def chunk_gate_grads(g, dc, dg, da, dbias, A_log, dt_bias, i_c, i_hv, i_k, start, L, lower_bound,
-                     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     BK: tl.constexpr, GATE: tl.constexpr):
-    """``dg`` (in g's dtype; ``dc`` itself when that is float32) from ``dc`` over key slice i_k of
-    chunk i_c: ``c`` is the in-chunk cumulative sum of ``g``, so ``dg_i = sum_{j >= i} dc_j``;
-    zero where the forward clamped ``g`` at the floor. With ``GATE`` (``kernels/gate.py``), ``g``
-    is the raw gate: ``dg`` becomes its gradient, and this chunk's sums over its tokens of the
-    ``dt_bias`` and ``A_log`` gradients go to ``dbias`` and ``da`` (``[chunks, HV, K]``; the
-    launcher sums them). Sub-blocks of BC rows from the last to the first, the sum of dc over the
-    rows after each carried: a whole [BT, BK] tile at once needs the registers of 32 float32
-    values a thread for each of its tiles at 4 warps."""
-    NC: tl.constexpr = BT // BC
-    o_k = i_k * BK + tl.arange(0, BK)
-    offset = start * HV * K + i_hv * K
-    b_after = tl.zeros([BK], dtype=tl.float32)
-    b_dbias = tl.zeros([BK], dtype=tl.float32)
-    b_dA_log = tl.zeros([BK], dtype=tl.float32)
-    for i_x in range(NC):
-        X = NC - 1 - i_x
-        o_t = X * BC + tl.arange(0, BC)
-        m_t = (o_t < L)[:, None]
-        m = m_t & (o_k < K)[None, :]
-        p = offset + o_t[:, None].to(tl.int64) * (HV * K) + o_k[None, :]
-        # .cg: from L2, where the other programs' release put them, not from this SM's L1.
-        b_dc = tl.load(dc + p, mask=m, other=0., cache_modifier='.cg')
-        # Rows past L hold dc = 0, so their dg is 0 up to rounding; neither stored nor summed.
-        b_dc_sum = tl.sum(b_dc, axis=0)
-        b_dg = (b_after + b_dc_sum)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
-        b_after += b_dc_sum
-        b_g = tl.load(g + p, mask=m, other=0.).to(tl.float32)
-        b_lg, b_x, b_a = log_decay_tile(b_g, A_log, dt_bias, i_hv, i_k * BK, lower_bound, K, BK, GATE)
-        b_dg = tl.where(b_lg < LOG_DECAY_FLOOR, 0., b_dg)
-        if GATE != 'none':
-            b_dx, b_dA = gate_bwd(b_x, b_a, lower_bound, GATE)
-            b_dbias += tl.sum(tl.where(m_t, b_dx * b_dg, 0.), axis=0)
-            b_dA_log += tl.sum(tl.where(m_t, b_dA * b_dg, 0.), axis=0)
-            b_dg = b_dx * b_dg
-        tl.store(dg + p, b_dg.to(dg.dtype.element_ty), mask=m)
-    if GATE != 'none':
-        p_sum = (i_c.to(tl.int64) * HV + i_hv) * K + o_k
-        tl.store(dbias + p_sum, b_dbias, mask=o_k < K)
-        tl.store(da + p_sum, b_dA_log, mask=o_k < K)
-
-
-@triton.jit
 def chunk_pair_bwd_kernel(
-    q, k, g, gc, dAqk, dAkk, dq, dk, dc, dg, da, dbias, A_log, dt_bias, done,
+    q, k, gc, dAqk, dAkk, dq, dk, dg,
     cu_seqlens, chunk_indices,
-    lower_bound, T, NT,
+    T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED_DECAY: tl.constexpr, GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    BOUNDED_DECAY: tl.constexpr, DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """The pair-matrix gradients of one ``[BC, BK]`` tile (sub-block X, key slice i_k) of a chunk,
-    added to the dq, dk and dc that ``chunk_intra_bwd_kernel`` stored; then, in the last of the
-    chunk's NC tile programs of that key slice to finish, the gate's gradients of the whole slice
-    (``chunk_gate_grads``). ``done``: one int32 counter per (chunk, value head, key slice), zero
-    at launch.
-
-    One program per tile rather than a loop over the tiles inside the chunk's program: the tiles
-    are independent, and the loop ran them one after another (ptxas: 255 registers, one program
-    an SM; with the gate's reverse sum carried through the loop from the last tile to the first,
-    H200, (8, 4096, 16): 3.42 ms a call against 1.62, uncapped 2.88). ``BOUNDED_DECAY``: every
-    step's log-decay is >= -5 (the lower-bound gate), so the diagonal blocks never need the
-    4-row fallback, which is then not compiled in."""
+    added to the dq, dk and dc that ``chunk_intra_bwd_kernel`` stored. One program per tile rather
+    than a loop over tiles inside the chunk's program: the tiles are independent, and the chunk's
+    program ran them one after another at one program per SM (ptxas: 255 registers).
+    ``BOUNDED_DECAY``: every step's log-decay is >= -5 (the lower-bound gate), so the diagonal
+    blocks never need the 4-row fallback, which is then not compiled in."""
     tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -376,7 +324,7 @@ def chunk_pair_bwd_kernel(
     P_off = start * HV * BT + i_hv * BT
     dq_base = dq + start * HV * K + i_hv * K
     dk_base = dk + start * HV * K + i_hv * K
-    dc_base = dc + start * HV * K + i_hv * K
+    dg_base = dg + start * HV * K + i_hv * K
 
     b_qX = load_tile(q_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
     b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
@@ -395,18 +343,47 @@ def chunk_pair_bwd_kernel(
                            L, HV * BT, H * K, HV * K, K, BC, NC, BK, DOT_DTYPE)
     b_dqX = load_tile(dq_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dq1
     b_dkX = load_tile(dk_base, X * BC, L, HV * K, i_k * BK, K, BC, BK) + b_dk2 + b_dkc
-    b_dcX = (load_tile(dc_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
+    b_dcX = (load_tile(dg_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
              + b_qX * b_dq1 + b_kX * (b_dk2 - b_dkc))
     store_tile(dq_base, b_dqX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
     store_tile(dk_base, b_dkX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-    store_tile(dc_base, b_dcX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
-    # Every thread's stores before the count (the barrier), published by the count's release; the
-    # acquiring program then reads them (the grid-wide pattern of CUDA's cooperative groups).
-    tl.debug_barrier()
-    n_done = tl.atomic_add(done + (i_c.to(tl.int64) * HV + i_hv) * NK + i_k, 1, sem='acq_rel',
-                           scope='gpu')
-    if n_done == NC - 1:
-        chunk_gate_grads(g, dc, dg, da, dbias, A_log, dt_bias, i_c, i_hv, i_k, start, L,
-                         lower_bound, HV, K, BT, BC, BK, GATE)
+    store_tile(dg_base, b_dcX, X * BC, L, HV * K, i_k * BK, K, BC, BK)
 
 
+@triton.jit
+def chunk_gate_bwd_kernel(
+    g, A_log, dt_bias, dc, dg, da, dbias,
+    cu_seqlens, chunk_indices,
+    lower_bound, T, NT,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """``dg`` (in g's dtype; ``dc`` itself when that is float32) from ``dc``: ``c`` is the
+    in-chunk cumulative sum of ``g``, so
+    ``dg_i = sum_{j >= i} dc_j``; zero where the forward clamped ``g`` at the floor. With ``GATE``
+    (``kernels/gate.py``), ``g`` is the raw gate: ``dg`` becomes its gradient, and this chunk's
+    sums over its tokens of the ``dt_bias`` and ``A_log`` gradients go to ``dbias`` and ``da``
+    (``[chunks, HV, K]``; the launcher sums them)."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_c, i_hvk = tl.program_id(0), tl.program_id(1)
+    i_hv, i_k = i_hvk // NK, i_hvk % NK
+    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    dg_base = dg + start * HV * K + i_hv * K
+    b_dc = load_tile(dc + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
+    b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
+    # Rows past L hold dc = 0, so their dg is 0 too (up to rounding; not stored).
+    b_dg = tl.sum(b_dc, axis=0)[None, :] - tl.cumsum(b_dc, axis=0) + b_dc
+    b_lg, b_x, b_a = log_decay_tile(b_g, A_log, dt_bias, i_hv, i_k * BK, lower_bound, K, BK, GATE)
+    b_dg = tl.where(b_lg < LOG_DECAY_FLOOR, 0., b_dg)
+    if GATE != 'none':
+        b_dx, b_dA = gate_bwd(b_x, b_a, lower_bound, GATE)
+        # Rows past L: dg is 0 up to the rounding of sum - cumsum; selected out of the sums.
+        m_t = (tl.arange(0, BT) < L)[:, None]
+        b_dx = tl.where(m_t, b_dx * b_dg, 0.)
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_sum = (i_c.to(tl.int64) * HV + i_hv) * K + o_k
+        tl.store(dbias + p_sum, tl.sum(b_dx, axis=0), mask=o_k < K)
+        tl.store(da + p_sum, tl.sum(tl.where(m_t, b_dA * b_dg, 0.), axis=0), mask=o_k < K)
+        store_tile(dg_base, b_dx, 0, L, HV * K, i_k * BK, K, BT, BK)
+    else:
+        store_tile(dg_base, b_dg, 0, L, HV * K, i_k * BK, K, BT, BK)

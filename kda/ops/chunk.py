@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
-from kda.kernels.chunk_intra_bwd import chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
+from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
@@ -123,6 +123,7 @@ TUNING = {
     # (168: 1.822, 3 stages 1.808; 112: 1.954). Diagonal blocks first: 1.576 with 3 stages at 128
     # (2 stages 1.585, 144: 1.768, 168: 1.821, uncapped 1.820, 2 warps 1.865).
     'pair_bwd_bounded': dict(BK=64, num_warps=4, num_stages=3, maxnreg=128),
+    'gate_bwd': dict(BK=32, num_warps=4),
 }
 
 
@@ -515,10 +516,18 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
         dq, dk, dv, dbeta, dg, dAqk, dAkk, cu_seqlens, layout.indices, scale, T, layout.NT,
         **launch_config('intra_bwd', K, V), **common)
-    # Read by no later kernel: freed before dg is allocated (a bf16 raw gate's dg is a new tensor
-    # beside dc; with these alive, it raised the Kimi configuration's peak by 0.06 GiB at
-    # (8, 4096, 16) on the H200, f056478).
-    del h, dh, v_new, dv_new
+    # The lower-bound gate's steps are >= lower_bound >= -5 (validated).
+    bounded = gate is not None and gate.kind == 'sigmoid'
+    cfg = launch_config('pair_bwd_bounded' if bounded else 'pair_bwd', K, V)
+    chunk_pair_bwd_kernel[(layout.total * (BT // BC), HV * cdiv(K, cfg['BK']))](
+        q, k, gc, dAqk, dAkk, dq, dk, dg, cu_seqlens, layout.indices, T, layout.NT,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'], IS_VARLEN=common['IS_VARLEN'],
+        BOUNDED_DECAY=bounded, **cfg)
+    # Read by no later kernel: freed before the gate kernel allocates (a bf16 raw gate's dg is a
+    # new tensor beside dc; with these alive, it raised the Kimi configuration's peak by 0.06 GiB
+    # at (8, 4096, 16) on the H200, f056478).
+    del dAqk, dAkk, gc, h, dh, v_new, dv_new
+    cfg = launch_config('gate_bwd', K, V)
     # Per-chunk sums of the A_log and dt_bias gradients (tokens of a chunk summed in the kernel).
     da = dbias = None
     if gate is not None:
@@ -527,17 +536,10 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     # dg in g's dtype straight from the kernel (a bf16 raw gate: no float32 -> bf16 pass after it,
     # 0.4 GB of traffic at (8, 4096, 16)); in place when g is float32.
     dc, dg = dg, (dg if g.dtype == torch.float32 else torch.empty_like(g))
-    # The lower-bound gate's steps are >= lower_bound >= -5 (validated).
-    bounded = gate is not None and gate.kind == 'sigmoid'
-    cfg = launch_config('pair_bwd_bounded' if bounded else 'pair_bwd', K, V)
-    NK = cdiv(K, cfg['BK'])
-    done = torch.zeros(layout.total * HV * NK, dtype=torch.int32, device=dev)
-    chunk_pair_bwd_kernel[(layout.total * (BT // BC), HV * NK)](
-        q, k, g, gc, dAqk, dAkk, dq, dk, dc=dc, dg=dg, da=da, dbias=dbias, done=done,
-        cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT, H=H, HV=HV, K=K,
-        BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'], IS_VARLEN=common['IS_VARLEN'],
-        BOUNDED_DECAY=bounded, **gate_launch_args(gate), **cfg)
-    del dAqk, dAkk, gc, dc, done
+    chunk_gate_bwd_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
+        g, dc=dc, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices,
+        T=T, NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
+        **gate_launch_args(gate), **cfg)
     dA_log = da.sum((0, 2)) if gate is not None and gate.A_log is not None else None
     ddt_bias = dbias.sum(0).view(HV * K) if gate is not None and gate.dt_bias is not None else None
     if HV != H:
