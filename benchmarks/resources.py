@@ -50,9 +50,11 @@ gated = dict(absent=OPTIONAL - {'A_log', 'dt_bias'}, pointers=dict(g=bf))
 # name: (kernel, constexpr values beyond common, input dtype (default bf16) and launch_signature
 # options, [(num_warps, num_stages, maxnreg)])
 KERNELS = {
-    'cumsum': (chunk_cumsum_kernel, dict(BK=64, GATE='none'), {}, [(4, 2, None)]),
-    'cumsum_gate': (chunk_cumsum_kernel, dict(BK=64, GATE='sigmoid'), gated, [(4, 2, None)]),
-    'cumsum_gate_no_A_log': (chunk_cumsum_kernel, dict(BK=64, GATE='softplus'),
+    # The forward's build (c only) and the backward's recompute (c and the decayed keys, queries).
+    'cumsum': (chunk_cumsum_kernel, dict(BK=64, GATE='none', DECAYED=False), {}, [(4, 2, 96)]),
+    'cumsum_decayed': (chunk_cumsum_kernel, dict(BK=64, GATE='none', DECAYED=True), {}, [(4, 2, 96)]),
+    'cumsum_gate': (chunk_cumsum_kernel, dict(BK=64, GATE='sigmoid', DECAYED=True), gated, [(4, 2, 96)]),
+    'cumsum_gate_no_A_log': (chunk_cumsum_kernel, dict(BK=64, GATE='softplus', DECAYED=True),
                              dict(absent=OPTIONAL - {'dt_bias'}, pointers=dict(g=bf)), [(4, 2, None)]),
     'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True), {}, [(1, 3, None), (2, 3, 128)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=False, DOT_DTYPE=tl.float16),

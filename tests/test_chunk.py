@@ -716,7 +716,7 @@ def compile_shared(stage, dtype, K, few, transposed):
     else:
         cfg = chunk_mod.launch_config(stage, K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
-                  GATE='none', FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
+                  GATE='none', DECAYED=True, FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,
                   **{n: cfg[n] for n in ('BK', 'BV') if n in cfg})

@@ -19,9 +19,10 @@ row factors ``q_I exp(c_I - r)``, ``k_I exp(c_I - r)`` of a key slice serve ever
 (H200, (8, 4096, 16): 0.53 -> 0.33 ms a call against the last row of each block J as reference,
 which formed them again for every J; BENCHMARKS.md note 73).
 
-Three kernels, in order: ``chunk_cumsum_kernel`` (c, decayed keys and queries; the in-kernel
-gate's activation too), ``chunk_pair_fwd_kernel`` (Aqk and A', one program per row block of a
-chunk, the key slices outermost) and ``chunk_solve_kernel`` (M, one program per chunk). The WY
+Three kernels, in order: ``chunk_cumsum_kernel`` (c; the in-kernel gate's activation too; the
+decayed keys and queries for the backward's recompute), ``chunk_pair_fwd_kernel`` (Aqk and A',
+one program per row block of a chunk, the key slices outermost; the forward's decayed keys and
+queries) and ``chunk_solve_kernel`` (M, one program per chunk). The WY
 form's W = M diag(beta) Kg and U = M diag(beta) v are never formed: the state sweeps apply M
 themselves (``chunk_state.py``). The backward keeps the forward's Aqk, A' and M and recomputes
 only the cumsum kernel's tensors.
@@ -204,12 +205,27 @@ def beta_diag_block_t(K_base, beta_base, I: tl.constexpr, L, HV: tl.constexpr, B
 
 
 @triton.jit
+def store_decayed_keys(kbar_base, kg_base, b_k, b_c, b_last, row0, L, col0, HV: tl.constexpr,
+                       K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Rows ``row0..`` (key columns ``col0..``) of ``kbar = k exp(c_last - c)`` and ``kg = k exp(c)``."""
+    store_tile(kbar_base, b_k * exp_nonpos(b_last[None, :] - b_c), row0, L, HV * K, col0, K, BR, BK)
+    store_tile(kg_base, b_k * exp_nonpos(b_c), row0, L, HV * K, col0, K, BR, BK)
+
+
+@triton.jit
+def store_decayed_queries(qt_base, b_q, b_c, scale, row0, L, col0, HV: tl.constexpr,
+                          K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Rows ``row0..`` (key columns ``col0..``) of ``qt = scale q exp(c)``."""
+    store_tile(qt_base, b_q * exp_nonpos(b_c) * scale, row0, L, HV * K, col0, K, BR, BK)
+
+
+@triton.jit
 def chunk_cumsum_kernel(
     g, A_log, dt_bias, q, k, gc, qt, kbar, kg,
     cu_seqlens, chunk_indices,
     scale, lower_bound, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    GATE: tl.constexpr, DECAYED: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice, the keys decayed to the
     chunk's end, ``kbar = k exp(c_last - c)``, and the decayed queries ``qt = scale q exp(c)``, which
@@ -219,7 +235,10 @@ def chunk_cumsum_kernel(
     the state sweeps apply the WY transform to. With ``GATE`` (see
     ``kernels/gate.py``) ``g`` is the raw gate, activated here. A positive log-decay breaks the
     contract (g <= 0) that the safe factorizations rely on: its key channel becomes NaN for the
-    whole chunk, so this chunk's outputs and everything after are NaN rather than silently wrong."""
+    whole chunk, so this chunk's outputs and everything after are NaN rather than silently wrong.
+    Without ``DECAYED`` only ``gc``: the forward's pair products form the decayed keys and queries
+    from the q, k and c tiles they load anyway (``chunk_pair_fwd_kernel``); the backward's
+    recompute, which does not run them, asks for everything here."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK
@@ -231,20 +250,19 @@ def chunk_cumsum_kernel(
     b_c = tl.cumsum(b_g, axis=0)
     b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)
     store_tile(gc + start * HV * K + i_hv * K, b_c, 0, L, HV * K, i_k * BK, K, BT, BK)
-    b_last = tl.sum(tl.where((tl.arange(0, BT) == L - 1)[:, None], b_c, 0.), axis=0)
-    b_k = load_tile(k + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
-    store_tile(kbar + start * HV * K + i_hv * K, b_k * exp_nonpos(b_last[None, :] - b_c), 0, L,
-               HV * K, i_k * BK, K, BT, BK)
-    store_tile(kg + start * HV * K + i_hv * K, b_k * exp_nonpos(b_c), 0, L, HV * K, i_k * BK, K, BT,
-               BK)
-    b_q = load_tile(q + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
-    store_tile(qt + start * HV * K + i_hv * K, b_q * exp_nonpos(b_c) * scale, 0, L, HV * K, i_k * BK,
-               K, BT, BK)
+    if DECAYED:
+        b_last = tl.sum(tl.where((tl.arange(0, BT) == L - 1)[:, None], b_c, 0.), axis=0)
+        b_k = load_tile(k + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
+        store_decayed_keys(kbar + start * HV * K + i_hv * K, kg + start * HV * K + i_hv * K, b_k,
+                           b_c, b_last, 0, L, i_k * BK, HV, K, BT, BK)
+        b_q = load_tile(q + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
+        store_decayed_queries(qt + start * HV * K + i_hv * K, b_q, b_c, scale, 0, L, i_k * BK, HV, K,
+                              BT, BK)
 
 
 @triton.jit
 def chunk_pair_fwd_kernel(
-    q, k, gc, Aqk, Akk,
+    q, k, gc, Aqk, Akk, qt, kbar, kg,
     cu_seqlens, chunk_indices,
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -253,7 +271,11 @@ def chunk_pair_fwd_kernel(
 ):
     """Row block I of ``Aqk`` (scale included) and of ``A' = A / beta`` (both kept for the
     backward): the diagonal block and the blocks J < I. One program per (chunk, I): the row
-    blocks are independent, and one program per chunk ran them one after another."""
+    blocks are independent, and one program per chunk ran them one after another. Also row
+    block I of the decayed queries and keys ``qt``, ``kbar``, ``kg`` that the forward's sweep
+    reads, from the q, k and c tiles loaded here anyway (the cumsum kernel's formulas, through the
+    same helpers): formed there, they cost the cumsum kernel a second read of q and k (H200,
+    (8, 4096, 16): cumsum 0.350 -> 0.143 ms a call, pair products 0.325 -> 0.444)."""
     tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     i_ci, i_hv = tl.program_id(0), tl.program_id(1)
@@ -265,6 +287,7 @@ def chunk_pair_fwd_kernel(
     gc_base = gc + start * HV * K + i_hv * K
     A_base = Aqk + start * HV * BT + i_hv * BT
     K_base = Akk + start * HV * BT + i_hv * BT
+    decayed_offset = start * HV * K + i_hv * K
 
     tl.static_assert(NC <= 4, "at most 4 sub-blocks a chunk (three blocks J < I)")
     o_c = tl.arange(0, BC)
@@ -281,6 +304,11 @@ def chunk_pair_fwd_kernel(
         b_k = load_tile(k_base, i_i * BC, L, H * K, i_k * BK, K, BC, BK)
         b_c = load_tile(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BC, BK)
         b_r = load_row(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BK)
+        b_last = load_row(gc_base, L - 1, L, HV * K, i_k * BK, K, BK)
+        store_decayed_keys(kbar + decayed_offset, kg + decayed_offset, b_k, b_c, b_last, i_i * BC,
+                           L, i_k * BK, HV, K, BC, BK)
+        store_decayed_queries(qt + decayed_offset, b_q, b_c, scale, i_i * BC, L, i_k * BK, HV, K,
+                              BC, BK)
         b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, H * K,
                                             gc_base, HV * K, i_i, i_k, L, K, BC, BK, FACTORED_DIAG,
                                             DOT_DTYPE)

@@ -302,13 +302,14 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
     s1 = out if out is not None else stage1_buffers(B, T, HV, K, BT, q.device, dt, matrices is None)
     cfg = launch_config('cumsum', K, K)
+    # The decayed keys and queries come from the pair products when those run (the forward).
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
-        IS_VARLEN=is_varlen, **gate_launch_args(gate), **chunks, **cfg)
+        DECAYED=matrices is not None, IS_VARLEN=is_varlen, **gate_launch_args(gate), **chunks, **cfg)
     if matrices is not None:
         return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
-        q, k, s1.gc, s1.Aqk, s1.Akk, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
+        q, k, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
         DOT_DTYPE=DOT_DTYPES[dt],
         # float16's range ends at 65504: no factor >= 1 on its operands.
         FACTORED_DIAG=dt != torch.float16, IS_VARLEN=is_varlen, **chunks,
@@ -577,11 +578,15 @@ class ChunkKDAFunction(torch.autograd.Function):
         Aqk, Akk, Minv = s1.Aqk, s1.Akk, s1.Minv
         ctx.save_for_backward(qn, kn, rq, rk, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                               Aqk, Akk, Minv)
-        # disable_recompute: the backward's state carry runs here instead, on this call's stage 1
-        # (the forward's own sweep keeps neither states nor corrections), so the gradients are the
-        # same bits either way and the backward skips one stage-1 pass.
+        # disable_recompute: the backward's stage-1 recompute and state carry run here instead (the
+        # forward's own sweep keeps neither states nor corrections). Stage 1's per-token tensors are
+        # formed again as the backward forms them: the forward's c comes from the cumsum kernel's
+        # other build (DECAYED=False), whose scan runs in another thread layout and may round
+        # differently, so only this keeps the gradients the same bits either way.
         ctx.saved_intermediates = None
         if disable_recompute:
+            s1 = chunk_stage1(qn, kn, g, beta, scale, cu_seqlens, layout, gate, v.shape[2],
+                              (Aqk, Akk, Minv), out=s1)
             ctx.saved_intermediates = chunk_kda_recompute(
                 qn, kn, v, beta, initial_state, state_v_first, cu_seqlens, layout, s1)
         s1 = None
