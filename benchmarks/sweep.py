@@ -56,7 +56,8 @@ CANDIDATES = {
                  cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(64, None, 8, 2, 128)],
     'pair_bwd_bounded': [cfg(64, None, 4, 2, 128), cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168),
                          cfg(64, None, 4, 2, 112), cfg(64, None, 4, 3, 128)],
-    'gate_bwd': [cfg(32, None, 4, 2)],
+    'gate_bwd': [cfg(32, None, 4, 2), cfg(64, None, 4, 2), cfg(32, None, 2, 2), cfg(32, None, 8, 2),
+                 cfg(64, None, 8, 2), cfg(16, None, 4, 2), cfg(16, None, 2, 2)],
     # FEW_PROGRAMS entries (the state sweeps where (sequence, head) pairs x value slices < SMs).
     # One stage is not offered for the carry and the gradient sweep: with 16-bit inputs the launcher
     # raises it to 2 (it faulted on the H200, see kda.ops.chunk.state_launch_config).
@@ -75,6 +76,8 @@ SHAPES['state_output'] = [(8, 4096, 16, False), (1, 8192, 96, False)]
 SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = SHAPES['state_output_few'] = [(1, 32768, 32, False)]
 # The lower-bound gate compiles the pair gradients without their diagonal fallback.
 SHAPES['pair_bwd_bounded'] = [(8, 4096, 16, True)]
+# The raw gate's build does the activation's gradient too.
+SHAPES['gate_bwd'] = [(8, 4096, 16, False), (8, 4096, 16, True)]
 
 
 def inputs(B, T, H, gate=False):

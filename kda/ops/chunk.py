@@ -324,8 +324,13 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
 FORWARD_SEGMENTS = 4
 # Value heads at which a K = V = 128 sweep over the whole sequence takes as long as stage 1 for it
 # (H200: a chunk step of the few-program sweep ~3 us, 1.58 ms at (1, 32768, 32); stage 1 ~2.2 ns a
-# token-head, 2.34 ms there; so 3 us / 64 tokens / 2.2 ns ~ 21 heads).
-SEGMENT_BALANCE = 20
+# token-head, 2.34 ms there; so 3 us / 64 tokens / 2.2 ns ~ 21 heads, the first setting, 20).
+# Stage 1 now takes ~1.34 ns a token-head (cumsum 0.143 + pair products 0.444 + solve 0.115 ms
+# for 524,288 at (8, 4096, 16)), which puts the balance near 35. H200 sweep at 6b02cbb,
+# (1, 32768, 32) forward ms, g pre-computed / Kimi gate: 4 segments at 20 2.871 / 2.841, at 30
+# 2.790 / 2.733, at 40 (equal segments) 2.798 / 2.740; 6 segments at 20 2.846 / 2.828, at 30
+# 2.758 / 2.725; 3 at 30 2.809 / 2.767. Outputs the same bits in every setting.
+SEGMENT_BALANCE = 30
 # Token-heads below which the forward is not segmented: each segment adds ~5 launches and a
 # dozen views on the host (an estimate: ~0.1 ms a segment), and a call already spends ~1 ms there,
 # so a forward that takes the GPU ~2 ms or less (H200, K = V = 128: (1, 16384, 32), 1.97 ms whole)
