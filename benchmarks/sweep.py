@@ -37,7 +37,7 @@ KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
            'state_output': 'chunk_state_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
            'intra_bwd': 'chunk_intra_bwd_kernel', 'pair_bwd': 'chunk_pair_bwd_kernel',
            'pair_bwd_bounded': 'chunk_pair_bwd_kernel',
-           'gate_bwd': 'chunk_gate_bwd_kernel'}
+           'gate_bwd': 'chunk_gate_bwd_kernel', 'gate_bwd_raw': 'chunk_gate_bwd_kernel'}
 
 
 def cfg(BK=None, BV=None, w=4, s=2, r=None):
@@ -56,8 +56,10 @@ CANDIDATES = {
                  cfg(64, None, 4, 2, 144), cfg(32, None, 4, 2, 128), cfg(64, None, 8, 2, 128)],
     'pair_bwd_bounded': [cfg(64, None, 4, 2, 128), cfg(64, None, 4, 2, 168), cfg(64, None, 4, 3, 168),
                          cfg(64, None, 4, 2, 112), cfg(64, None, 4, 3, 128)],
-    'gate_bwd': [cfg(32, None, 4, 2), cfg(64, None, 4, 2), cfg(32, None, 2, 2), cfg(32, None, 8, 2),
-                 cfg(64, None, 8, 2), cfg(16, None, 4, 2), cfg(16, None, 2, 2)],
+    'gate_bwd': [cfg(64, None, 4, 2), cfg(64, None, 2, 2), cfg(128, None, 4, 2), cfg(32, None, 4, 2),
+                 cfg(32, None, 2, 2)],
+    'gate_bwd_raw': [cfg(32, None, 2, 2), cfg(32, None, 1, 2), cfg(64, None, 2, 2), cfg(32, None, 4, 2),
+                     cfg(16, None, 2, 2)],
     # FEW_PROGRAMS entries (the state sweeps where (sequence, head) pairs x value slices < SMs).
     # One stage is not offered for the carry and the gradient sweep: with 16-bit inputs the launcher
     # raises it to 2 (it faulted on the H200, see kda.ops.chunk.state_launch_config).
@@ -77,7 +79,7 @@ SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = SHAPES['state_output_few'] =
 # The lower-bound gate compiles the pair gradients without their diagonal fallback.
 SHAPES['pair_bwd_bounded'] = [(8, 4096, 16, True)]
 # The raw gate's build does the activation's gradient too.
-SHAPES['gate_bwd'] = [(8, 4096, 16, False), (8, 4096, 16, True)]
+SHAPES['gate_bwd_raw'] = [(8, 4096, 16, True)]
 
 
 def inputs(B, T, H, gate=False):

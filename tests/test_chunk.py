@@ -703,7 +703,7 @@ KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'pair_fwd': chunk_intra.ch
            'solve': chunk_intra.chunk_solve_kernel,
            'intra_bwd': chunk_intra_bwd.chunk_intra_bwd_kernel,
            'pair_bwd': chunk_intra_bwd.chunk_pair_bwd_kernel, 'pair_bwd_bounded': chunk_intra_bwd.chunk_pair_bwd_kernel,
-           'gate_bwd': chunk_intra_bwd.chunk_gate_bwd_kernel,
+           'gate_bwd': chunk_intra_bwd.chunk_gate_bwd_kernel, 'gate_bwd_raw': chunk_intra_bwd.chunk_gate_bwd_kernel,
            'state_fwd': chunk_state.chunk_state_fwd_kernel, 'state_bwd': chunk_state_bwd.chunk_state_bwd_kernel,
            'state_output': chunk_state_output.chunk_state_output_fwd_kernel}
 
@@ -768,7 +768,7 @@ def test_launch_shared_memory():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 47
+    assert len(rows) == 49
     too_big = [r for r in rows if r[-1] > H200_SHARED_MEMORY]
     assert not too_big, f"over {H200_SHARED_MEMORY} B of shared memory: {too_big}"
 

@@ -123,7 +123,14 @@ TUNING = {
     # (168: 1.822, 3 stages 1.808; 112: 1.954). Diagonal blocks first: 1.576 with 3 stages at 128
     # (2 stages 1.585, 144: 1.768, 168: 1.821, uncapped 1.820, 2 warps 1.865).
     'pair_bwd_bounded': dict(BK=64, num_warps=4, num_stages=3, maxnreg=128),
-    'gate_bwd': dict(BK=32, num_warps=4),
+    # H200 sweeps at 1c6c735, (8, 4096, 16), ms a call, g pre-computed / raw gate (lower bound):
+    # 32-wide 4 warps 0.219 / 0.280 (the earlier setting), 2 warps 0.214-0.219 / 0.207, 1 warp
+    # 0.216 / 0.242, 8 warps 0.237 / 0.470; 64-wide 4 warps 0.195-0.197 / 0.296-0.298, 2 warps
+    # 0.196 / 0.239, 1 warp 0.196 / 0.536; 128-wide 4 warps 0.197 / 0.318; 16-wide >= 0.265. The
+    # raw gate's build (its activation and gradient per entry, and the A_log and dt_bias sums)
+    # takes its own entry; the softplus gate was not swept and shares it.
+    'gate_bwd': dict(BK=64, num_warps=4),
+    'gate_bwd_raw': dict(BK=32, num_warps=2),
 }
 
 
@@ -533,7 +540,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     # new tensor beside dc; with these alive, it raised the Kimi configuration's peak by 0.06 GiB
     # at (8, 4096, 16) on the H200, f056478).
     del dAqk, dAkk, gc, h, dh, v_new, dv_new
-    cfg = launch_config('gate_bwd', K, V)
+    cfg = launch_config('gate_bwd' if gate is None else 'gate_bwd_raw', K, V)
     # Per-chunk sums of the A_log and dt_bias gradients (tokens of a chunk summed in the kernel).
     da = dbias = None
     if gate is not None:
