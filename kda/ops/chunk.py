@@ -541,15 +541,17 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     # at (8, 4096, 16) on the H200, f056478).
     del dAqk, dAkk, gc, h, dh, v_new, dv_new
     cfg = launch_config('gate_bwd' if gate is None else 'gate_bwd_raw', K, V)
-    # Per-chunk sums of the A_log and dt_bias gradients (tokens of a chunk summed in the kernel).
+    NK = cdiv(K, cfg['BK'])
+    # Per-chunk sums of the dt_bias gradient (tokens of a chunk summed in the kernel) and of the
+    # A_log gradient (tokens and a key slice).
     da = dbias = None
     if gate is not None:
-        da = torch.empty(layout.total, HV, K, dtype=torch.float32, device=dev)
-        dbias = torch.empty_like(da)
+        dbias = torch.empty(layout.total, HV, K, dtype=torch.float32, device=dev)
+        da = torch.empty(layout.total, HV, NK, dtype=torch.float32, device=dev)
     # dg in g's dtype straight from the kernel (a bf16 raw gate: no float32 -> bf16 pass after it,
     # 0.4 GB of traffic at (8, 4096, 16)); in place when g is float32.
     dc, dg = dg, (dg if g.dtype == torch.float32 else torch.empty_like(g))
-    chunk_gate_bwd_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
+    chunk_gate_bwd_kernel[(layout.total, HV * NK)](
         g, dc=dc, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices,
         T=T, NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
         **gate_launch_args(gate), **cfg)
