@@ -405,6 +405,51 @@ def test_strong_decay(chunk_size, pattern, lengths):
 
 
 @requires_kernels
+@pytest.mark.parametrize('chunk_size,lengths,H,HV,K,dtype', [
+    (32, [0, 1, 19, 45, 0, 33], 2, 4, 60, torch.float32), (64, [70], 1, 3, 48, torch.float16)])
+def test_forward_decayed_keys_and_queries(chunk_size, lengths, H, HV, K, dtype):
+    """The forward's decayed queries and keys ``qt = scale q exp(c)``, ``kg = k exp(c)``,
+    ``kbar = k exp(c_last - c)`` (the pair products form them, row block by row block; the
+    backward's recompute, in the cumsum kernel): into NaN-filled buffers, every entry written,
+    against float64 from the forward's own c, and against the recompute's (within rounding: the
+    two cumsum builds may round c differently on a GPU). Empty and one-token sequences, partial
+    chunks, masked key columns (K = 60), GVA (HV = 2H, 3H)."""
+    cu = lengths_to_cu(lengths)
+    T = sum(lengths)
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, T, H, K, generator=gen).to(dtype).to(KDEV) for _ in range(2))
+    g = (-0.02 - torch.rand(1, T, HV, K, generator=gen)).to(KDEV)
+    beta = torch.rand(1, T, HV, generator=gen).to(dtype).to(KDEV)
+    layout = chunk_mod.chunk_layout(1, T, chunk_size, cu.tolist(), cu.to(KDEV))
+
+    def stage1(matrices):
+        out = chunk_mod.stage1_buffers(1, T, HV, K, chunk_size, KDEV, dtype, matrices is None)
+        for t in (out.gc, out.qt, out.kbar, out.kg):
+            t.fill_(float('nan'))
+        return chunk_mod.chunk_stage1(q, k, g, beta, 0.3, cu.to(KDEV), layout, None, HV, matrices, out=out)
+
+    fwd = stage1(None)
+    rec = stage1((fwd.Aqk, fwd.Akk, fwd.Minv))
+    c = fwd.gc.double().cpu()
+    assert torch.isfinite(c).all(), "c not written everywhere"
+    last = torch.empty_like(c)
+    for s, e in zip(lengths_to_cu(lengths).tolist(), lengths_to_cu(lengths).tolist()[1:]):
+        for c0 in range(s, e, chunk_size):
+            c1 = min(c0 + chunk_size, e)
+            last[:, c0:c1] = c[:, c1 - 1:c1]
+    rep = HV // H
+    qd, kd = (t.double().cpu().repeat_interleave(rep, dim=2) for t in (q, k))
+    expected = dict(qt=0.3 * qd * c.exp(), kg=kd * c.exp(), kbar=kd * (last - c).exp())
+    # float16 outputs round to 2^-11 relative; float32 ones to 2^-24, and exp's own error.
+    tol = 1e-3 if dtype == torch.float16 else 2e-6
+    for name, want in expected.items():
+        got, again = getattr(fwd, name).double().cpu(), getattr(rec, name).double().cpu()
+        assert torch.isfinite(got).all(), f"{name}: entries not written by the forward"
+        assert rel_err(got, want) < tol, f"{name}: {rel_err(got, want):.2e} against float64"
+        assert rel_err(got, again) < tol, f"{name}: {rel_err(got, again):.2e} against the recompute"
+
+
+@requires_kernels
 @pytest.mark.parametrize('chunk_size,lengths,H,HV', [
     (64, [70], 1, 1), (32, [70], 1, 2), (64, [1, 65, 49, 2], 1, 2), (32, [1, 33, 17, 64], 2, 2)])
 def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
@@ -698,7 +743,7 @@ SHARED_MEMORY_SCRIPT = """
 import concurrent.futures, json, multiprocessing, os, torch
 import kda.ops.chunk as chunk_mod
 from kda.kernels import chunk_intra, chunk_intra_bwd, chunk_state, chunk_state_bwd, chunk_state_output
-from kda.ops.offline import compile_sm90
+from kda.ops.offline import OPTIONAL, POINTERS, compile_sm90
 KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'pair_fwd': chunk_intra.chunk_pair_fwd_kernel,
            'solve': chunk_intra.chunk_solve_kernel,
            'intra_bwd': chunk_intra_bwd.chunk_intra_bwd_kernel,
@@ -716,7 +761,8 @@ def compile_shared(stage, dtype, K, few, transposed):
     else:
         cfg = chunk_mod.launch_config(stage, K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
-                  GATE='none', DECAYED=True, FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
+                  GATE='sigmoid' if stage == 'gate_bwd_raw' else 'none', DECAYED=True,
+                  FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,
                   **{n: cfg[n] for n in ('BK', 'BV') if n in cfg})
@@ -724,7 +770,10 @@ def compile_shared(stage, dtype, K, few, transposed):
     # specialize: the launches' tensors are 16-byte aligned with strides divisible by 16, and the
     # build that knows it pipelines its loads through shared memory (the larger ask: the gradient
     # sweep at K = 256 asked 256 KiB on the H200 where the unspecialized build asks 76 KiB).
-    return str(cfg), compile_sm90(fn, values, dtype, options, specialize=True).metadata.shared
+    # The raw gate's build: g and its dg in the input dtype, A_log, dt_bias and the sums present.
+    raw = dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'},
+               pointers={n: POINTERS[dtype] for n in ('g', 'dg')}) if stage == 'gate_bwd_raw' else {}
+    return str(cfg), compile_sm90(fn, values, dtype, options, specialize=True, **raw).metadata.shared
 
 
 def row(case):
@@ -1119,18 +1168,31 @@ def test_intermediate_states_allowed_under_no_grad_with_grad_leaves():
 
 
 @requires_kernels
-def test_disable_recompute_same_gradients():
+@pytest.mark.parametrize('config', ['plain', 'kimi'])
+def test_disable_recompute_same_gradients(config):
+    """disable_recompute=True gives the default path's outputs and gradients bit for bit (its
+    forward forms stage 1's per-token tensors again with the backward's build of the cumsum
+    kernel, whose scan may round c differently from the forward's on a GPU). 'kimi': the raw gate
+    with A_log, dt_bias and the lower bound, beta logits, q/k l2norm (GVA, varlen)."""
     lengths = [0, 1, 19, 45]
     cu = lengths_to_cu(lengths)
-    x = make_inputs(1, sum(lengths), 1, 2, 32, 32)
+    x = make_inputs(1, sum(lengths), 1, 2, 32, 32, normalize_k=config == 'plain')
     s0 = make_state(len(lengths), 2, 32, 32)
-    o1, h1, g1, do, dht = run_chunk(x, s0, cu_seqlens=cu, chunk_size=32)
-    o2, h2, g2, _, _ = run_chunk(x, s0, cu_seqlens=cu, chunk_size=32, do=do, dht=dht, disable_recompute=True)
+    opts = dict(chunk_size=32)
+    if config == 'kimi':
+        x['g'] = torch.randn(x['g'].shape)
+        x['beta'] = torch.randn(x['beta'].shape)
+        opts.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                    A_log=torch.log(1 + 15 * torch.rand(2)).to(KDEV), dt_bias=(0.1 * torch.randn(64)).to(KDEV),
+                    use_beta_sigmoid_in_kernel=True)
+    o1, h1, g1, do, dht = run_chunk(x, s0, cu_seqlens=cu, **opts)
+    o2, h2, g2, _, _ = run_chunk(x, s0, cu_seqlens=cu, do=do, dht=dht, disable_recompute=True, **opts)
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
     for n in g1:
         assert torch.equal(g1[n], g2[n]), f"d{n} differs with disable_recompute=True"
-    ro, rht, rgd = run_ref(x, s0, do, dht, cu_seqlens=cu)
-    assert_errs(errors(o2, h2, g2, ro, rht, rgd), TOL, "disable_recompute")
+    if config == 'plain':
+        ro, rht, rgd = run_ref(x, s0, do, dht, cu_seqlens=cu)
+        assert_errs(errors(o2, h2, g2, ro, rht, rgd), TOL, "disable_recompute")
 
 
 def _strided(x: torch.Tensor) -> torch.Tensor:
@@ -1546,7 +1608,8 @@ def test_saved_for_backward(gate, dtype):
     """What a training call keeps for its backward beyond its inputs, in units of one float32
     [B, T, HV, K] tensor: the normalized q and k in the input dtype, in place of the raw q and k
     (which it does not keep: memory-neutral where nothing else holds them, as in a model whose
-    q and k come from a projection), and their inverse norms (2 / K); with the in-kernel gate the
+    q and k come from a projection; where the caller keeps q and k alive, two more such tensors
+    live from forward to backward), and their inverse norms (2 / K); with the in-kernel gate the
     activated beta (1 / K), and
     the in-chunk matrices Aqk and M (input dtype) and A' (float32), BT entries a token each; nothing
     [.., K]- or state-sized (c, the decayed keys and queries and the states are recomputed;

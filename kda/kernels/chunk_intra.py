@@ -227,18 +227,16 @@ def chunk_cumsum_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, DECAYED: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice, the keys decayed to the
-    chunk's end, ``kbar = k exp(c_last - c)``, and the decayed queries ``qt = scale q exp(c)``, which
-    the state sweeps (forward with outputs, recompute, gradient) read: formed here, they leave those
-    one input-dtype tile per chunk to load instead of q or k, the float32 c and their exps
-    (H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar), and ``kg = k exp(c)``, which
-    the state sweeps apply the WY transform to. With ``GATE`` (see
-    ``kernels/gate.py``) ``g`` is the raw gate, activated here. A positive log-decay breaks the
-    contract (g <= 0) that the safe factorizations rely on: its key channel becomes NaN for the
-    whole chunk, so this chunk's outputs and everything after are NaN rather than silently wrong.
-    Without ``DECAYED`` only ``gc``: the forward's pair products form the decayed keys and queries
-    from the q, k and c tiles they load anyway (``chunk_pair_fwd_kernel``); the backward's
-    recompute, which does not run them, asks for everything here."""
+    """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice; with ``DECAYED`` (the
+    backward's recompute) also the keys decayed to the chunk's end, ``kbar = k exp(c_last - c)``,
+    the decayed queries ``qt = scale q exp(c)`` and ``kg = k exp(c)``, which the state sweeps read
+    (they leave those one input-dtype tile per chunk to load instead of q or k, the float32 c and
+    their exps; H200, (8, 4096, 16): carry 0.70 -> 0.31 ms a call with kbar). The forward asks for
+    ``gc`` only: its pair products form the decayed keys and queries from the q, k and c tiles
+    they load anyway (``chunk_pair_fwd_kernel``). With ``GATE`` (see ``kernels/gate.py``) ``g`` is
+    the raw gate, activated here. A positive log-decay breaks the contract (g <= 0) that the safe
+    factorizations rely on: its key channel becomes NaN for the whole chunk, so this chunk's
+    outputs and everything after are NaN rather than silently wrong."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK

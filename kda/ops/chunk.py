@@ -89,6 +89,9 @@ TUNING = {
     # solve: 0.138 at 1 warp (0.308 at 2, 0.417 at 4: its [16, 16] blocks fill one warp); with
     # its products as tf32x3 (9ae34fc) still 1 warp: 0.170 against 0.396 at 2, 0.668 at 4; with
     # the gathered substitution (thirteenth session) 0.114 against 0.255 at 2 warps.
+    # Not swept again since 6b02cbb, where the forward's cumsum build stopped writing the decayed
+    # keys and queries (0.143 ms; ptxas: 28 B of spills at the 96 cap) and the pair products
+    # started (0.444 ms; 251 registers at 1 warp, no spills).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
     'solve': dict(num_warps=1),
@@ -359,7 +362,9 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     sweep is the shorter part (many heads) the segments shrink geometrically, by
     ``SEGMENT_BALANCE / HV`` (at least 0.6), so that more of stage 1 runs alone and the last sweep
     is short, while each sweep still ends before the next segment's stage 1 does. H200, forward ms,
-    4 segments: (1, 32768, 32) 3.904 whole, 3.452 equal, 3.348 shrinking by 0.6 (0.5: 3.449);
+    4 segments, at 04208c2 (stage 1 then ~2.2 ns a token-head, SEGMENT_BALANCE 20, which gave
+    (1, 32768, 32) the ratio 0.6; now 30 heads give it 0.94, see SEGMENT_BALANCE for the sweep):
+    (1, 32768, 32) 3.904 whole, 3.452 equal, 3.348 shrinking by 0.6 (0.5: 3.449);
     (1, 16384, 32) 1.968, 1.766, 1.709; (1, 65536, 16), where the sweep is the longer part,
     5.154, 4.407 equal, 4.561 by 0.7, 4.700 by 0.6; (1, 16384, 64), whose halved slices give
     two sweep programs an SM, 3.372 whole, 3.327 by 0.6. A lighter sweep beside stage 1 loses:
@@ -393,8 +398,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
     current stream forms the next segment's stage 1: the few-program sweep leaves most of every
-    SM to stage 1's kernels. The same steps on the same chunks, so the same bits. H200,
-    (1, 32768, 32), 4 segments shrinking by 0.6: forward 3.904 -> 3.348 ms (stage 1's pair
+    SM to stage 1's kernels. The same steps on the same chunks, so the same bits. H200, at
+    04208c2, (1, 32768, 32), 4 segments shrinking by 0.6: forward 3.904 -> 3.348 ms (stage 1's pair
     products 1.05 -> 1.58 ms beside the sweeps, which take 1.86 against 1.58), forward + backward
     15.06 -> 14.56 ms. Not segmented: several sequences (their segments would not be contiguous
     views; the kernels would need a row stride per sequence) and the backward (its carry and
@@ -567,10 +572,11 @@ class ChunkKDAFunction(torch.autograd.Function):
     """Differentiable in q, k, v, g, beta and the initial state (and, with the in-kernel gate,
     ``gate_kind`` not None, in the raw g, A_log and dt_bias); the final state's gradient flows
     back through every chunk. With ``qk_l2norm`` q and k are normalized here, and the normalized
-    q and k are kept with their inverse norms in place of q and k (as many bytes): the backward
-    reads them as they are and forms the raw inputs' gradients from them (``l2norm_bwd``), where
-    keeping the raw q and k cost it two more normalization passes (0.064 ms a tensor at
-    (8, 4096, 16) on the H200). The gate is activated inside the first kernel, forward and
+    q and k are kept with their inverse norms in place of q and k (as many bytes; where the
+    caller also keeps q and k alive, two more [B, T, H, K] tensors until the backward): the
+    backward reads them as they are and forms the raw inputs' gradients from them
+    (``l2norm_bwd``), where keeping the raw q and k cost it two more normalization passes
+    (0.064 ms a tensor at (8, 4096, 16) on the H200). The gate is activated inside the first kernel, forward and
     recompute, so nothing of it is kept."""
 
     @staticmethod
