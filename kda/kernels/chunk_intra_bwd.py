@@ -362,8 +362,9 @@ def chunk_gate_bwd_kernel(
     in-chunk cumulative sum of ``g``, so
     ``dg_i = sum_{j >= i} dc_j``, formed as the chunk's sum less the forward scan (a reverse scan,
     ``tl.cumsum(reverse=True)``, compiles to 9x the shuffles: ptxas, triton 3.6, 352 against 40
-    SHFL for the 64-wide build); zero where the forward clamped ``g`` at the floor. With ``GATE`` (``kernels/gate.py``), ``g`` is the raw gate: ``dg`` becomes
-    its gradient, and this chunk's sums over its tokens of the ``dt_bias`` gradient go to
+    SHFL for the 64-wide build); zero where the forward clamped ``g`` at the floor. With ``GATE``
+    (``kernels/gate.py``), ``g`` is the raw gate: ``dg`` becomes its gradient, and this chunk's
+    sums over its tokens of the ``dt_bias`` gradient go to
     ``dbias`` (``[chunks, HV, K]``), of the ``A_log`` gradient, over its key slice too, to ``da``
     (``[chunks, HV, NK]``); the launcher sums them (``da`` as ``[chunks, HV, K]`` left 512 values
     to each of the HV sums at (8, 4096, 16), a 0.026 ms PyTorch reduction on the H200)."""

@@ -576,8 +576,8 @@ class ChunkKDAFunction(torch.autograd.Function):
     caller also keeps q and k alive, two more [B, T, H, K] tensors until the backward): the
     backward reads them as they are and forms the raw inputs' gradients from them
     (``l2norm_bwd``), where keeping the raw q and k cost it two more normalization passes
-    (0.064 ms a tensor at (8, 4096, 16) on the H200). The gate is activated inside the first kernel, forward and
-    recompute, so nothing of it is kept."""
+    (0.064 ms a tensor at (8, 4096, 16) on the H200). The gate is activated inside the first
+    kernel, forward and recompute, so nothing of it is kept."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
