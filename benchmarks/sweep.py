@@ -45,6 +45,8 @@ def cfg(BK=None, BV=None, w=4, s=2, r=None):
 
 
 CANDIDATES = {
+    # One TUNING entry serves both cumsum builds: the time is the mean of the forward's (c only) and
+    # the backward recompute's (c and the decayed keys and queries) launches.
     'cumsum': [cfg(64, None, 4, 2), cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2, 64), cfg(32, None, 4, 2, 64)],
     'pair_fwd': [cfg(32, None, 1, 3), cfg(32, None, 1, 4), cfg(32, None, 1, 2), cfg(32, None, 1, 3, 192),
                  cfg(32, None, 2, 3), cfg(32, None, 2, 3, 128), cfg(64, None, 1, 3), cfg(16, None, 1, 3)],
