@@ -415,12 +415,13 @@ def test_forward_decayed_keys_and_queries(chunk_size, lengths, H, HV, K, dtype):
     two cumsum builds may round c differently on a GPU). Empty and one-token sequences, partial
     chunks, masked key columns (K = 60), GVA (HV = 2H, 3H)."""
     cu = lengths_to_cu(lengths)
+    bounds = cu.tolist()
     T = sum(lengths)
     gen = torch.Generator().manual_seed(5)
     q, k = (torch.randn(1, T, H, K, generator=gen).to(dtype).to(KDEV) for _ in range(2))
     g = (-0.02 - torch.rand(1, T, HV, K, generator=gen)).to(KDEV)
     beta = torch.rand(1, T, HV, generator=gen).to(dtype).to(KDEV)
-    layout = chunk_mod.chunk_layout(1, T, chunk_size, cu.tolist(), cu.to(KDEV))
+    layout = chunk_mod.chunk_layout(1, T, chunk_size, bounds, cu.to(KDEV))
 
     def stage1(matrices):
         out = chunk_mod.stage1_buffers(1, T, HV, K, chunk_size, KDEV, dtype, matrices is None)
@@ -433,7 +434,7 @@ def test_forward_decayed_keys_and_queries(chunk_size, lengths, H, HV, K, dtype):
     c = fwd.gc.double().cpu()
     assert torch.isfinite(c).all(), "c not written everywhere"
     last = torch.empty_like(c)
-    for s, e in zip(lengths_to_cu(lengths).tolist(), lengths_to_cu(lengths).tolist()[1:]):
+    for s, e in zip(bounds, bounds[1:]):
         for c0 in range(s, e, chunk_size):
             c1 = min(c0 + chunk_size, e)
             last[:, c0:c1] = c[:, c1 - 1:c1]

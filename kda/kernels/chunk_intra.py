@@ -242,20 +242,23 @@ def chunk_cumsum_kernel(
     i_hv, i_k = i_hvk // NK, i_hvk % NK
     i_h = i_hv // (HV // H)
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
-    b_g, _, _ = log_decay_tile(load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK),
+    # The chunk's first row in the [.., HV, K] tensors (g, gc and the decayed keys and queries)
+    # and in q, k ([.., H, K]).
+    hv_offset = start * HV * K + i_hv * K
+    h_offset = start * H * K + i_h * K
+    b_g, _, _ = log_decay_tile(load_tile(g + hv_offset, 0, L, HV * K, i_k * BK, K, BT, BK),
                                A_log, dt_bias, i_hv, i_k * BK, lower_bound, K, BK, GATE)
     b_g = clamp_log_decay(b_g)
     b_c = tl.cumsum(b_g, axis=0)
     b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)
-    store_tile(gc + start * HV * K + i_hv * K, b_c, 0, L, HV * K, i_k * BK, K, BT, BK)
+    store_tile(gc + hv_offset, b_c, 0, L, HV * K, i_k * BK, K, BT, BK)
     if DECAYED:
         b_last = tl.sum(tl.where((tl.arange(0, BT) == L - 1)[:, None], b_c, 0.), axis=0)
-        b_k = load_tile(k + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
-        store_decayed_keys(kbar + start * HV * K + i_hv * K, kg + start * HV * K + i_hv * K, b_k,
-                           b_c, b_last, 0, L, i_k * BK, HV, K, BT, BK)
-        b_q = load_tile(q + start * H * K + i_h * K, 0, L, H * K, i_k * BK, K, BT, BK)
-        store_decayed_queries(qt + start * HV * K + i_hv * K, b_q, b_c, scale, 0, L, i_k * BK, HV, K,
-                              BT, BK)
+        b_k = load_tile(k + h_offset, 0, L, H * K, i_k * BK, K, BT, BK)
+        store_decayed_keys(kbar + hv_offset, kg + hv_offset, b_k, b_c, b_last, 0, L, i_k * BK, HV, K,
+                           BT, BK)
+        b_q = load_tile(q + h_offset, 0, L, H * K, i_k * BK, K, BT, BK)
+        store_decayed_queries(qt + hv_offset, b_q, b_c, scale, 0, L, i_k * BK, HV, K, BT, BK)
 
 
 @triton.jit
@@ -282,10 +285,11 @@ def chunk_pair_fwd_kernel(
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
     q_base = q + start * H * K + i_h * K
     k_base = k + start * H * K + i_h * K
-    gc_base = gc + start * HV * K + i_hv * K
+    # The chunk's first row in the [.., HV, K] tensors (gc and the decayed keys and queries).
+    hv_offset = start * HV * K + i_hv * K
+    gc_base = gc + hv_offset
     A_base = Aqk + start * HV * BT + i_hv * BT
     K_base = Akk + start * HV * BT + i_hv * BT
-    decayed_offset = start * HV * K + i_hv * K
 
     tl.static_assert(NC <= 4, "at most 4 sub-blocks a chunk (three blocks J < I)")
     o_c = tl.arange(0, BC)
@@ -303,10 +307,9 @@ def chunk_pair_fwd_kernel(
         b_c = load_tile(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BC, BK)
         b_r = load_row(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BK)
         b_last = load_row(gc_base, L - 1, L, HV * K, i_k * BK, K, BK)
-        store_decayed_keys(kbar + decayed_offset, kg + decayed_offset, b_k, b_c, b_last, i_i * BC,
-                           L, i_k * BK, HV, K, BC, BK)
-        store_decayed_queries(qt + decayed_offset, b_q, b_c, scale, i_i * BC, L, i_k * BK, HV, K,
-                              BC, BK)
+        store_decayed_keys(kbar + hv_offset, kg + hv_offset, b_k, b_c, b_last, i_i * BC, L,
+                           i_k * BK, HV, K, BC, BK)
+        store_decayed_queries(qt + hv_offset, b_q, b_c, scale, i_i * BC, L, i_k * BK, HV, K, BC, BK)
         b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, H * K,
                                             gc_base, HV * K, i_i, i_k, L, K, BC, BK, FACTORED_DIAG,
                                             DOT_DTYPE)

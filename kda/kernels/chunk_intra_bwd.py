@@ -386,9 +386,10 @@ def chunk_gate_bwd_kernel(
         m_t = (tl.arange(0, BT) < L)[:, None]
         b_dx = tl.where(m_t, b_dx * b_dg, 0.)
         o_k = i_k * BK + tl.arange(0, BK)
-        tl.store(dbias + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_dx, axis=0), mask=o_k < K)
+        i_chv = i_c.to(tl.int64) * HV + i_hv
+        tl.store(dbias + i_chv * K + o_k, tl.sum(b_dx, axis=0), mask=o_k < K)
         b_dA = tl.where(m_t & (o_k < K)[None, :], b_dA * b_dg, 0.)
-        tl.store(da + (i_c.to(tl.int64) * HV + i_hv) * NK + i_k, tl.sum(tl.sum(b_dA, axis=0), axis=0))
+        tl.store(da + i_chv * NK + i_k, tl.sum(tl.sum(b_dA, axis=0), axis=0))
         store_tile(dg_base, b_dx, 0, L, HV * K, i_k * BK, K, BT, BK)
     else:
         store_tile(dg_base, b_dg, 0, L, HV * K, i_k * BK, K, BT, BK)
