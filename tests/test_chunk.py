@@ -696,6 +696,26 @@ def test_segmented_forward(monkeypatch, case):
         assert torch.equal(a, b), name
 
 
+@requires_kernels
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_inference_l2norm_same_bits(dtype):
+    """Inference with ``use_qk_l2norm_in_kernel`` forms only the inverse norms of q and k, and the
+    pair products normalize the rows as they load them: outputs and final state bit for bit those
+    of the training forward, which normalizes q and k in a pass of its own (and which the other
+    tests check against float64). Strong decay (the far keys' 4-row scheme loads key rows of its
+    own; float16 takes it for every entry), GVA, varlen with partial chunks, K = 60."""
+    cu = make_cu_seqlens([37, 64, 90], device=KDEV)
+    x = make_inputs(1, 191, 2, 4, 60, 40, dtype=dtype, device=KDEV, strong_decay=True, normalize_k=False)
+    opts = dict(initial_state=make_state(3, 4, 60, 40, device=KDEV), output_final_state=True,
+                cu_seqlens=cu, use_qk_l2norm_in_kernel=True, scale=0.7)
+    with torch.no_grad():
+        o, ht = chunk_kda(**x, **opts)
+    o_train, ht_train = chunk_kda(**{n: t.clone().requires_grad_() for n, t in x.items()}, **opts)
+    assert o.isfinite().all() and ht.isfinite().all()
+    assert torch.equal(o, o_train.detach()), "output differs from the training forward's"
+    assert torch.equal(ht, ht_train.detach()), "final state differs from the training forward's"
+
+
 @pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
 def test_chunk_layout_varlen(dtype):
     """The varlen chunk map: (sequence, chunk) per global chunk, each sequence's first chunk, and
@@ -746,6 +766,7 @@ import kda.ops.chunk as chunk_mod
 from kda.kernels import chunk_intra, chunk_intra_bwd, chunk_state, chunk_state_bwd, chunk_state_output
 from kda.ops.offline import OPTIONAL, POINTERS, compile_sm90
 KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'pair_fwd': chunk_intra.chunk_pair_fwd_kernel,
+           'pair_fwd_norms': chunk_intra.chunk_pair_fwd_kernel,
            'solve': chunk_intra.chunk_solve_kernel,
            'intra_bwd': chunk_intra_bwd.chunk_intra_bwd_kernel,
            'pair_bwd': chunk_intra_bwd.chunk_pair_bwd_kernel, 'pair_bwd_bounded': chunk_intra_bwd.chunk_pair_bwd_kernel,
@@ -760,7 +781,7 @@ def compile_shared(stage, dtype, K, few, transposed):
     if stage.startswith('state_'):
         cfg = chunk_mod.state_launch_config(stage, K, K, 4, torch.device('cpu'), dtype)
     else:
-        cfg = chunk_mod.launch_config(stage, K, K)
+        cfg = chunk_mod.launch_config(stage.removesuffix('_norms'), K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
                   GATE='sigmoid' if stage == 'gate_bwd_raw' else 'none', DECAYED=True,
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
@@ -774,6 +795,9 @@ def compile_shared(stage, dtype, K, few, transposed):
     # The raw gate's build: g and its dg in the input dtype, A_log, dt_bias and the sums present.
     raw = dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'},
                pointers={n: POINTERS[dtype] for n in ('g', 'dg')}) if stage == 'gate_bwd_raw' else {}
+    # Inference with use_qk_l2norm_in_kernel: the pair products read the inverse norms of q and k.
+    if stage == 'pair_fwd_norms':
+        raw = dict(absent=OPTIONAL - {'rq', 'rk'})
     return str(cfg), compile_sm90(fn, values, dtype, options, specialize=True, **raw).metadata.shared
 
 
@@ -818,7 +842,7 @@ def test_launch_shared_memory():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 49
+    assert len(rows) == 51
     too_big = [r for r in rows if r[-1] > H200_SHARED_MEMORY]
     assert not too_big, f"over {H200_SHARED_MEMORY} B of shared memory: {too_big}"
 

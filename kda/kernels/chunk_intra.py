@@ -33,6 +33,7 @@ import triton.language as tl
 from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_ftz, exp_nonpos, load_row,
                                       load_rows, load_tile, mm, mm_fine, store_tile)
 from kda.kernels.gate import log_decay_tile
+from kda.kernels.l2norm import unit_rows
 
 
 # Diagonal blocks factor through their first row r: a key enters as k_jd exp(r_d - c_jd) >= k_jd.
@@ -48,6 +49,20 @@ FAR_KEY = tl.constexpr(1e36)
 
 
 @triton.jit
+def load_qk_rows(base, r_base, o_r, L, col0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Rows ``o_r`` (key columns ``col0..``) of q or k (``[.., H, K]``, from the head's first row
+    of the chunk), float32. With ``r_base`` (their inverse norms, H apart: inference with
+    ``use_qk_l2norm_in_kernel``) the rows are normalized as they load, to the bits
+    ``l2norm_fwd`` would have stored (``unit_rows``), so that the forward reads q and k once
+    instead of normalizing them in a pass of their own."""
+    b_x = load_rows(base, o_r, L, H * K, col0, K, BK)
+    if r_base is not None:
+        b_r = tl.load(r_base + o_r.to(tl.int64) * H, mask=o_r < L, other=0.)
+        b_x = unit_rows(b_x, b_r, base.dtype.element_ty).to(tl.float32)
+    return b_x
+
+
+@triton.jit
 def far_keys(b_k, b_c, b_r, m_r, span):
     """``(far, k exp(r - c))`` for key rows ``b_k`` with cumulative decays ``b_c`` against the
     reference row ``b_r``: ``far`` marks the valid entries the factored product cannot carry
@@ -60,8 +75,9 @@ def far_keys(b_k, b_c, b_r, m_r, span):
 
 
 @triton.jit
-def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, qk_stride, gc_base, gc_stride, i_i, i_k, L,
-                   span, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, rk_base, gc_base, gc_stride, i_i, i_k, L,
+                   span, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr):
     """Adds the entries of the far keys (``far_keys`` against the block's first row ``b_r0``;
     ``span < 0`` makes every key far) of diagonal block ``i_i``, key slice ``i_k``, to ``b_qk`` and
     ``b_kk``, by the off-diagonal scheme one level down: the block is cut into groups of G = 4
@@ -82,7 +98,7 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, qk_stride, gc_base, 
         b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
     for t in range(G):
         o_j = o_g * G + t
-        b_kj = load_rows(k_base, i_i * BC + o_j, L, qk_stride, i_k * BK, K, BK)
+        b_kj = load_qk_rows(k_base, rk_base, i_i * BC + o_j, L, i_k * BK, H, K, BK)
         b_cj = load_rows(gc_base, i_i * BC + o_j, L, gc_stride, i_k * BK, K, BK)
         b_farj, _ = far_keys(b_kj, b_cj, b_r0, ((i_i * BC + o_j) < L)[:, None], span)
         b_kj = tl.where(b_farj, b_kj * exp_nonpos(b_c - b_cj), 0.)
@@ -93,8 +109,8 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, qk_stride, gc_base, 
 
 
 @triton.jit
-def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, gc_stride, i_i,
-               i_k, L, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, rk_base, gc_base, gc_stride, i_i,
+               i_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                FACTORED: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Adds key slice ``i_k`` of the diagonal block ``I = i_i`` (rows ``b_q``, ``b_k``, ``b_c``,
     first row ``b_r``; entries j > i are garbage) to ``b_qk`` and ``b_kk``; also returns the
@@ -122,21 +138,22 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, qk_stride, gc_base, 
         b_qk += mm(b_qe, b_kdt, DOT_DTYPE)
         b_kk += mm(b_ke, b_kdt, DOT_DTYPE)
         if tl.max(b_far.to(tl.int32)) > 0:
-            b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, qk_stride, gc_base,
-                                        gc_stride, i_i, i_k, L, FAR_SPAN, K, BC, BK, DOT_DTYPE)
+            b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, rk_base, gc_base,
+                                        gc_stride, i_i, i_k, L, FAR_SPAN, H, K, BC, BK, DOT_DTYPE)
     else:
-        b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, qk_stride, gc_base,
-                                    gc_stride, i_i, i_k, L, -1.0, K, BC, BK, DOT_DTYPE)
+        b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, rk_base, gc_base,
+                                    gc_stride, i_i, i_k, L, -1.0, H, K, BC, BK, DOT_DTYPE)
     return b_qk, b_kk, b_qe, b_ke
 
 
 @triton.jit
-def offdiag_slice(b_qk, b_kk, b_qe, b_ke, b_r, k_base, qk_stride, gc_base, gc_stride, i_j, i_k, L,
-                  K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def offdiag_slice(b_qk, b_kk, b_qe, b_ke, b_r, k_base, rk_base, gc_base, gc_stride, i_j, i_k, L,
+                  H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
     """Adds key slice ``i_k`` of block ``(I, J = i_j)``, ``J < I``, to ``b_qk`` and ``b_kk``: the
     row factors of ``diag_slice`` times ``k_J exp(r - c_J)``, both factors <= 1 (r, the first row of
     block I, comes after every row of J)."""
-    b_kj = load_tile(k_base, i_j * BC, L, qk_stride, i_k * BK, K, BC, BK)
+    b_kj = load_qk_rows(k_base, rk_base, i_j * BC + tl.arange(0, BC), L, i_k * BK, H, K, BK)
     b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
     b_kjt = tl.trans(b_kj * exp_nonpos(b_r[None, :] - b_cj))
     b_qk += mm(b_qe, b_kjt, DOT_DTYPE)
@@ -263,7 +280,7 @@ def chunk_cumsum_kernel(
 
 @triton.jit
 def chunk_pair_fwd_kernel(
-    q, k, gc, Aqk, Akk, qt, kbar, kg,
+    q, k, rq, rk, gc, Aqk, Akk, qt, kbar, kg,
     cu_seqlens, chunk_indices,
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -276,7 +293,8 @@ def chunk_pair_fwd_kernel(
     block I of the decayed queries and keys ``qt``, ``kbar``, ``kg`` that the forward's sweep
     reads, from the q, k and c tiles loaded here anyway (the cumsum kernel's formulas, through the
     same helpers): formed there, they cost the cumsum kernel a second read of q and k (H200,
-    (8, 4096, 16): cumsum 0.350 -> 0.143 ms a call, pair products 0.325 -> 0.444)."""
+    (8, 4096, 16): cumsum 0.350 -> 0.143 ms a call, pair products 0.325 -> 0.444). ``rq``, ``rk``:
+    None, or the inverse norms of the raw q and k rows (``load_qk_rows``)."""
     tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     i_ci, i_hv = tl.program_id(0), tl.program_id(1)
@@ -285,6 +303,8 @@ def chunk_pair_fwd_kernel(
     _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
     q_base = q + start * H * K + i_h * K
     k_base = k + start * H * K + i_h * K
+    rq_base = None if rq is None else rq + start * H + i_h
+    rk_base = None if rk is None else rk + start * H + i_h
     # The chunk's first row in the [.., HV, K] tensors (gc and the decayed keys and queries).
     hv_offset = start * HV * K + i_hv * K
     gc_base = gc + hv_offset
@@ -302,29 +322,29 @@ def chunk_pair_fwd_kernel(
     # Key slices outermost: block I's rows and their factors, formed once a slice, serve the
     # diagonal block and every block J < I (one reference row for all of them).
     for i_k in range(tl.cdiv(K, BK)):
-        b_q = load_tile(q_base, i_i * BC, L, H * K, i_k * BK, K, BC, BK)
-        b_k = load_tile(k_base, i_i * BC, L, H * K, i_k * BK, K, BC, BK)
+        b_q = load_qk_rows(q_base, rq_base, i_i * BC + o_c, L, i_k * BK, H, K, BK)
+        b_k = load_qk_rows(k_base, rk_base, i_i * BC + o_c, L, i_k * BK, H, K, BK)
         b_c = load_tile(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BC, BK)
         b_r = load_row(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BK)
         b_last = load_row(gc_base, L - 1, L, HV * K, i_k * BK, K, BK)
         store_decayed_keys(kbar + hv_offset, kg + hv_offset, b_k, b_c, b_last, i_i * BC, L,
                            i_k * BK, HV, K, BC, BK)
         store_decayed_queries(qt + hv_offset, b_q, b_c, scale, i_i * BC, L, i_k * BK, HV, K, BC, BK)
-        b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, H * K,
-                                            gc_base, HV * K, i_i, i_k, L, K, BC, BK, FACTORED_DIAG,
+        b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, rk_base,
+                                            gc_base, HV * K, i_i, i_k, L, H, K, BC, BK, FACTORED_DIAG,
                                             DOT_DTYPE)
         if i_i > 0:
-            b_qk0, b_kk0 = offdiag_slice(b_qk0, b_kk0, b_qe, b_ke, b_r, k_base, H * K, gc_base,
-                                         HV * K, 0, i_k, L, K, BC, BK, DOT_DTYPE)
+            b_qk0, b_kk0 = offdiag_slice(b_qk0, b_kk0, b_qe, b_ke, b_r, k_base, rk_base, gc_base,
+                                         HV * K, 0, i_k, L, H, K, BC, BK, DOT_DTYPE)
         # NC first, a compile-time test: with 2 sub-blocks (BT = 32) these are not compiled.
         if NC > 2:
             if i_i > 1:
-                b_qk1, b_kk1 = offdiag_slice(b_qk1, b_kk1, b_qe, b_ke, b_r, k_base, H * K, gc_base,
-                                             HV * K, 1, i_k, L, K, BC, BK, DOT_DTYPE)
+                b_qk1, b_kk1 = offdiag_slice(b_qk1, b_kk1, b_qe, b_ke, b_r, k_base, rk_base, gc_base,
+                                             HV * K, 1, i_k, L, H, K, BC, BK, DOT_DTYPE)
         if NC > 3:
             if i_i > 2:
-                b_qk2, b_kk2 = offdiag_slice(b_qk2, b_kk2, b_qe, b_ke, b_r, k_base, H * K, gc_base,
-                                             HV * K, 2, i_k, L, K, BC, BK, DOT_DTYPE)
+                b_qk2, b_kk2 = offdiag_slice(b_qk2, b_kk2, b_qe, b_ke, b_r, k_base, rk_base, gc_base,
+                                             HV * K, 2, i_k, L, H, K, BC, BK, DOT_DTYPE)
     b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
     b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
     store_pair_block(A_base, K_base, b_qk, b_kk, scale, i_i, i_i, L, HV, BT, BC)

@@ -1,4 +1,5 @@
-"""Row-wise L2 normalization of q and k (``use_qk_l2norm_in_kernel``), one pass each way.
+"""Row-wise L2 normalization of q and k (``use_qk_l2norm_in_kernel``), one pass each way, both
+tensors in one launch (``program_id(1)`` picks q or k).
 
     y = x * r,   r = (sum_d x_d^2 + 1e-6)^(-1/2)
     dx = r * (dy - y * sum_d(dy_d y_d))
@@ -11,19 +12,37 @@ import triton.language as tl
 
 
 @triton.jit
-def l2norm_fwd_kernel(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+def unit_rows(b_x, b_r, dtype: tl.constexpr):
+    """Rows of ``b_x`` (float32) times their inverse norms ``b_r``, rounded to ``dtype``: y as
+    stored, and as the inference forward's pair products form it from x and r alone."""
+    return (b_x * b_r[:, None]).to(dtype)
+
+
+@triton.jit
+def l2norm_fwd_rows(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """r for BR rows of x; y too unless y is None (inference, where the pair products scale the
+    rows of x by r as they load them)."""
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None] * D + o_d[None, :]
     b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
-    tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    if y is not None:
+        tl.store(y + p, unit_rows(b_x, b_r, y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_r, mask=o_r < n_rows)
 
 
 @triton.jit
-def l2norm_bwd_kernel(y, rstd, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+def l2norm_fwd_kernel(q, qn, rq, k, kn, rk, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    if tl.program_id(1) == 0:
+        l2norm_fwd_rows(q, qn, rq, n_rows, D, BR, BD)
+    else:
+        l2norm_fwd_rows(k, kn, rk, n_rows, D, BR, BD)
+
+
+@triton.jit
+def l2norm_bwd_rows(y, rstd, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
@@ -33,3 +52,12 @@ def l2norm_bwd_kernel(y, rstd, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr
     b_dy = tl.load(dy + p, mask=m, other=0.).to(tl.float32)
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, axis=1)[:, None])
     tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def l2norm_bwd_kernel(qn, rq, dqn, dq, kn, rk, dkn, dk, n_rows, D: tl.constexpr, BR: tl.constexpr,
+                      BD: tl.constexpr):
+    if tl.program_id(1) == 0:
+        l2norm_bwd_rows(qn, rq, dqn, dq, n_rows, D, BR, BD)
+    else:
+        l2norm_bwd_rows(kn, rk, dkn, dk, n_rows, D, BR, BD)

@@ -28,7 +28,7 @@ from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import KernelGate, activate_beta, activate_gate
-from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
+from kda.ops.l2norm import l2norm_bwd, l2norm_fwd, l2norm_rstd
 from kda.ops.utils import cdiv, contiguous, fork, join, next_pow2, state_strides, use_kernels
 from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
 from kda.reference import chunk_kda_reference
@@ -300,11 +300,14 @@ def stage1_buffers(B: int, T: int, HV: int, K: int, BT: int, device, dtype: torc
 
 
 def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None,
-                 HV: int, matrices=None, out: Stage1 | None = None) -> Stage1:
+                 HV: int, matrices=None, out: Stage1 | None = None, norms=None) -> Stage1:
     """Cumulative decay and decayed keys / queries; with ``matrices`` (``(Aqk, Akk, Minv)`` of an
     earlier call on the same inputs) the pair products and the solve are not run again.
     ``gate``: ``g`` is the raw gate, activated in the first kernel. ``out``: tensors to write
-    into (``stage1_buffers``' shapes), else new ones."""
+    into (``stage1_buffers``' shapes), else new ones. ``norms``: None, or the inverse norms
+    ``(rq, rk)`` (``[B, T, H]``) of raw q and k, which the pair products then normalize as they
+    load them (inference with ``use_qk_l2norm_in_kernel``; no call with ``matrices`` reads q or
+    k raw)."""
     B, T, H, K = q.shape
     BT = layout.BT
     dt = q.dtype
@@ -318,8 +321,9 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
         DECAYED=matrices is not None, IS_VARLEN=is_varlen, **gate_launch_args(gate), **chunks, **cfg)
     if matrices is not None:
         return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
+    rq, rk = (None, None) if norms is None else norms
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
-        q, k, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
+        q, k, rq, rk, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
         DOT_DTYPE=DOT_DTYPES[dt],
         # float16's range ends at 65504: no factor >= 1 on its operands.
         FACTORED_DIAG=dt != torch.float16, IS_VARLEN=is_varlen, **chunks,
@@ -390,10 +394,11 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
-                  store_states: bool = False):
+                  store_states: bool = False, norms=None):
     """The forward: stage 1, then the fused state sweep and outputs
     (``kernels/chunk_state_output.py``). Returns ``(o, final_state, stage1, h)``: ``h`` the
-    float32 state entering every chunk with ``store_states``, else None.
+    float32 state entering every chunk with ``store_states``, else None. ``norms``: see
+    ``chunk_stage1``.
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
@@ -425,7 +430,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     if segments is None:
-        s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV)
+        s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, norms=norms)
         sweep(s1, slice(0, T), layout, initial_state, final_state)
         return o, final_state, s1, h
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
@@ -437,7 +442,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             part_layout = chunk_layout(B, t1 - t0, layout.BT, None, None)
             s1_part = s1.tokens(part)
             chunk_stage1(q[:, part], k[:, part], g[:, part], beta[:, part], scale, None, part_layout,
-                         gate, HV, out=s1_part)
+                         gate, HV, out=s1_part,
+                         norms=None if norms is None else tuple(r[:, part] for r in norms))
             side = fork(dev)
             with torch.cuda.stream(side):
                 sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
@@ -586,7 +592,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         rq = rk = None
         qn, kn = q, k
         if qk_l2norm:
-            (qn, rq), (kn, rk) = l2norm_fwd(q), l2norm_fwd(k)
+            (qn, rq), (kn, rk) = l2norm_fwd(q, k)
         gate = None if gate_kind is None else KernelGate(gate_kind, A_log, dt_bias, lower_bound)
         o, final_state, s1, _ = chunk_kda_fwd(qn, kn, v, g, beta, scale, initial_state,
                                               output_final_state, state_v_first, cu_seqlens, layout,
@@ -624,7 +630,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             qn, kn, v, g, beta, ctx.scale, initial_state, ctx.state_v_first, cu_seqlens, ctx.layout,
             do.contiguous(), None if dht is None else dht.contiguous(), saved, gate, matrices)
         if ctx.qk_l2norm:
-            dq, dk = l2norm_bwd(qn, rq, dq), l2norm_bwd(kn, rk, dk)
+            dq, dk = l2norm_bwd(qn, rq, dq, kn, rk, dk)
         return (dq.to(qn.dtype), dk.to(kn.dtype), dv, dg, dbeta.to(beta.dtype),
                 dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None, None)
 
@@ -699,12 +705,13 @@ def chunk_kda(
     # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
     gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
     if return_intermediate_states or not needs_grad:
-        # Inference: nothing is kept for a backward.
-        if use_qk_l2norm_in_kernel:
-            q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+        # Inference: nothing is kept for a backward, so q and k are not normalized in a pass of
+        # their own: only their inverse norms are formed (half the bytes), and the pair products
+        # scale the raw rows as they load them, to the same bits.
+        norms = l2norm_rstd(q, k) if use_qk_l2norm_in_kernel else None
         o, final_state, _, h = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
-            cu_seqlens, layout, gate, store_states=return_intermediate_states)
+            cu_seqlens, layout, gate, store_states=return_intermediate_states, norms=norms)
         if not return_intermediate_states:
             return o, final_state
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
