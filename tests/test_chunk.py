@@ -716,6 +716,25 @@ def test_inference_l2norm_same_bits(dtype):
     assert torch.equal(ht, ht_train.detach()), "final state differs from the training forward's"
 
 
+@requires_kernels
+@pytest.mark.parametrize('present', ['both', 'A_log', 'dt_bias'])
+def test_gate_param_grad_sums(present):
+    """The sums over chunks of the gate kernel's per-chunk A_log and dt_bias gradients: several
+    64-chunk steps and a partial one (C = 150), K = 60 (masked columns of a key slice, NK = 3 slice
+    sums a chunk), against float64 sums; an absent parameter's output is not touched."""
+    from kda.kernels.chunk_intra_bwd import gate_param_grad_kernel
+    C, HV, K, NK = 150, 3, 60, 3
+    da, dbias = torch.randn(C, HV, NK), torch.randn(C, HV, K)
+    dA_log = torch.full((HV,), float('nan'), device=KDEV) if present != 'dt_bias' else None
+    ddt_bias = torch.full((HV * K,), float('nan'), device=KDEV) if present != 'A_log' else None
+    gate_param_grad_kernel[(HV, 2)](da.to(KDEV), dbias.to(KDEV), dA_log, ddt_bias, C, HV=HV, K=K, NK=NK,
+                                    BK=32, BC=64)
+    if dA_log is not None:
+        assert rel_err(dA_log.cpu(), da.double().sum((0, 2))) < 1e-6
+    if ddt_bias is not None:
+        assert rel_err(ddt_bias.cpu(), dbias.double().sum(0).view(HV * K)) < 1e-6
+
+
 @pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
 def test_chunk_layout_varlen(dtype):
     """The varlen chunk map: (sequence, chunk) per global chunk, each sequence's first chunk, and

@@ -25,7 +25,8 @@ sum of ``dc`` (``c_last`` feeds the last row), zero where the forward clamped ``
 Three kernels, in order: ``chunk_intra_bwd_kernel`` (one program per chunk: everything above the
 pair products; dq, dk, dc so far), ``chunk_pair_bwd_kernel`` (one program per ``[BC, BK]`` tile:
 adds the pair-product terms), ``chunk_gate_bwd_kernel`` (dc -> dg; through the in-kernel gate to
-the raw gate, A_log and dt_bias when there is one).
+the raw gate, and each chunk's sums of the A_log and dt_bias gradients when there is one); then,
+with the gate's parameters, ``gate_param_grad_kernel`` (those sums over the chunks).
 """
 import triton
 import triton.language as tl
@@ -393,3 +394,35 @@ def chunk_gate_bwd_kernel(
         store_tile(dg_base, b_dx, 0, L, HV * K, i_k * BK, K, BT, BK)
     else:
         store_tile(dg_base, b_dg, 0, L, HV * K, i_k * BK, K, BT, BK)
+
+
+@triton.jit
+def gate_param_grad_kernel(da, dbias, dA_log, ddt_bias, C, HV: tl.constexpr, K: tl.constexpr,
+                           NK: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+    """The gradients of the gate's parameters from ``chunk_gate_bwd_kernel``'s per-chunk sums, over
+    the ``C`` chunks: ``ddt_bias[hv K + k] = sum_c dbias[c, hv, k]`` for key slice
+    ``program_id(1)`` of value head ``program_id(0)``, and ``dA_log[hv] = sum_{c, j} da[c, hv, j]``
+    (its first slice stores it). Either output may be None. The same order every run, so the
+    same bits (float atomics in the chunk kernel would not be). As two PyTorch reductions they took
+    0.034 ms of the Kimi configuration's 6.02 ms step on the H200 at (8, 4096, 16)."""
+    NKP: tl.constexpr = triton.next_power_of_2(NK)
+    i_hv, i_k = tl.program_id(0), tl.program_id(1)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_j = tl.arange(0, NKP)
+    b_db = tl.zeros([BK], dtype=tl.float32)
+    b_da = tl.zeros([NKP], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        o_c = c0 + tl.arange(0, BC)
+        o_chv = o_c[:, None].to(tl.int64) * HV + i_hv
+        m_c = (o_c < C)[:, None]
+        if ddt_bias is not None:
+            b_db += tl.sum(tl.load(dbias + o_chv * K + o_k[None, :], mask=m_c & (o_k < K)[None, :],
+                                   other=0.), axis=0)
+        if dA_log is not None:
+            b_da += tl.sum(tl.load(da + o_chv * NK + o_j[None, :], mask=m_c & (o_j < NK)[None, :],
+                                   other=0.), axis=0)
+    if ddt_bias is not None:
+        tl.store(ddt_bias + i_hv * K + o_k, b_db, mask=o_k < K)
+    if dA_log is not None:
+        if i_k == 0:
+            tl.store(dA_log + i_hv, tl.sum(b_da, axis=0))

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
-from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
+from kda.kernels.chunk_intra_bwd import (chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel,
+                                         gate_param_grad_kernel)
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
@@ -566,8 +567,15 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         g, dc=dc, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices,
         T=T, NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
         **gate_launch_args(gate), **cfg)
-    dA_log = da.sum((0, 2)) if gate is not None and gate.A_log is not None else None
-    ddt_bias = dbias.sum(0).view(HV * K) if gate is not None and gate.dt_bias is not None else None
+    dA_log = ddt_bias = None
+    if gate is not None and (gate.A_log is not None or gate.dt_bias is not None):
+        if gate.A_log is not None:
+            dA_log = torch.empty(HV, dtype=torch.float32, device=dev)
+        if gate.dt_bias is not None:
+            ddt_bias = torch.empty(HV * K, dtype=torch.float32, device=dev)
+        bk = min(32, next_pow2(K))
+        gate_param_grad_kernel[(HV, cdiv(K, bk))](da, dbias, dA_log, ddt_bias, layout.total, HV=HV, K=K,
+                                                   NK=NK, BK=bk, BC=64)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
