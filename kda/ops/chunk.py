@@ -135,6 +135,12 @@ TUNING = {
     # takes its own entry; the softplus gate was not swept and shares it.
     'gate_bwd': dict(BK=64, num_warps=4),
     'gate_bwd_raw': dict(BK=32, num_warps=2),
+    # The sums over chunks of the gate parameters' gradients, BC chunks a step. H200, alone
+    # (do_bench, launch included), us a call at 512 chunks x 16 / 32 value heads and 256 x 96:
+    # 32-wide, 256 chunks, 8 warps 10.2 / 10.9 / 10.9; 32-wide, 64 chunks, 4 warps 19.5 / 20.5 /
+    # 13.7 (in the Kimi step at (8, 4096, 16): 0.016 ms); 64-wide >= 14.6 / 15.0 / 12.7;
+    # 128-wide >= 22.6; PyTorch's two reductions 39.4 / 41.2 / 26.9.
+    'gate_params': dict(BK=32, BC=256, num_warps=8),
 }
 
 
@@ -573,9 +579,9 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
             dA_log = torch.empty(HV, dtype=torch.float32, device=dev)
         if gate.dt_bias is not None:
             ddt_bias = torch.empty(HV * K, dtype=torch.float32, device=dev)
-        bk = min(32, next_pow2(K))
-        gate_param_grad_kernel[(HV, cdiv(K, bk))](da, dbias, dA_log, ddt_bias, layout.total, HV=HV, K=K,
-                                                   NK=NK, BK=bk, BC=64)
+        cfg = launch_config('gate_params', K, V)
+        gate_param_grad_kernel[(HV, cdiv(K, cfg['BK']))](da, dbias, dA_log, ddt_bias, layout.total, HV=HV,
+                                                         K=K, NK=NK, **cfg)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
