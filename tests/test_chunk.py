@@ -697,13 +697,17 @@ def test_segmented_forward(monkeypatch, case):
 
 
 @requires_kernels
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-def test_inference_l2norm_same_bits(dtype):
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=requires_bf16_kernels)])
+def test_inference_l2norm_in_pair_products(dtype):
     """Inference with ``use_qk_l2norm_in_kernel`` forms only the inverse norms of q and k, and the
-    pair products normalize the rows as they load them: outputs and final state bit for bit those
-    of the training forward, which normalizes q and k in a pass of its own (and which the other
-    tests check against float64). Strong decay (the far keys' 4-row scheme loads key rows of its
-    own; float16 takes it for every entry), GVA, varlen with partial chunks, K = 60."""
+    pair products normalize the rows as they load them, in float32; the training forward
+    normalizes q and k in a pass of its own that stores them in the input dtype (and which the
+    other tests check against float64). float32: the same bits. 16-bit inputs: one rounding of q
+    and k fewer, so no larger an error against float64 than the training forward's on the same
+    inputs (measured in the interpreter, float16, three seeds: o 0.79-0.84x of it, the final
+    state 0.92-0.97x; bound 1.25x). Strong decay (the far keys' 4-row scheme loads key rows of
+    its own; float16 takes it for every entry), GVA, varlen with partial chunks, K = 60."""
     cu = make_cu_seqlens([37, 64, 90], device=KDEV)
     x = make_inputs(1, 191, 2, 4, 60, 40, dtype=dtype, device=KDEV, strong_decay=True, normalize_k=False)
     opts = dict(initial_state=make_state(3, 4, 60, 40, device=KDEV), output_final_state=True,
@@ -712,8 +716,15 @@ def test_inference_l2norm_same_bits(dtype):
         o, ht = chunk_kda(**x, **opts)
     o_train, ht_train = chunk_kda(**{n: t.clone().requires_grad_() for n, t in x.items()}, **opts)
     assert o.isfinite().all() and ht.isfinite().all()
-    assert torch.equal(o, o_train.detach()), "output differs from the training forward's"
-    assert torch.equal(ht, ht_train.detach()), "final state differs from the training forward's"
+    if dtype == torch.float32:
+        assert torch.equal(o, o_train.detach()), "output differs from the training forward's"
+        assert torch.equal(ht, ht_train.detach()), "final state differs from the training forward's"
+        return
+    ro, rht = reference64(**{n: t.cpu() for n, t in x.items()},
+                          **{n: t.cpu() if torch.is_tensor(t) else t for n, t in opts.items()})
+    for name, got, train, ref in (('o', o, o_train, ro), ('ht', ht, ht_train, rht)):
+        e, e_train = rel_err(got, ref), rel_err(train, ref)
+        assert e <= 1.25 * e_train, f"{name}: {e:.3e} against float64, the training forward {e_train:.3e}"
 
 
 @requires_kernels

@@ -14,7 +14,7 @@ import triton.language as tl
 @triton.jit
 def unit_rows(b_x, b_r, dtype: tl.constexpr):
     """Rows of ``b_x`` (float32) times their inverse norms ``b_r``, rounded to ``dtype``: y as
-    stored, and as the inference forward's pair products form it from x and r alone."""
+    stored."""
     return (b_x * b_r[:, None]).to(dtype)
 
 

@@ -721,7 +721,7 @@ def chunk_kda(
     if return_intermediate_states or not needs_grad:
         # Inference: nothing is kept for a backward, so q and k are not normalized in a pass of
         # their own: only their inverse norms are formed (half the bytes), and the pair products
-        # scale the raw rows as they load them, to the same bits.
+        # scale the raw rows as they load them (in float32: not the training forward's bits).
         norms = l2norm_rstd(q, k) if use_qk_l2norm_in_kernel else None
         o, final_state, _, h = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
