@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
-from kda.kernels.chunk_intra_bwd import chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel
+from kda.kernels.chunk_intra_bwd import (chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel,
+                                         gate_param_grad_kernel)
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
@@ -58,8 +59,8 @@ KERNELS = {
                              dict(absent=OPTIONAL - {'dt_bias'}, pointers=dict(g=bf)), [(4, 2, None)]),
     'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True), {}, [(1, 3, None), (2, 3, 128)]),
     # Inference with use_qk_l2norm_in_kernel: the raw q, k rows scaled by their inverse norms.
-    'pair_fwd_norms': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True), dict(absent=OPTIONAL - {'rq', 'rk'}),
-                       [(1, 3, None)]),
+    'pair_fwd_norms': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True),
+                       dict(absent=OPTIONAL - {'rq', 'rk'}), [(1, 3, None)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=False, DOT_DTYPE=tl.float16),
                       dict(dtype=torch.float16), [(1, 3, None)]),
     'solve': (chunk_solve_kernel, {}, {}, [(2, 2, None), (1, 2, None), (4, 2, None)]),
@@ -71,6 +72,9 @@ KERNELS = {
     'gate_bwd_gate': (chunk_gate_bwd_kernel, dict(BK=32, GATE='sigmoid'),
                       dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'}, pointers=dict(g=bf, dg=bf)),
                       [(2, 2, None)]),
+    # The A_log and dt_bias gradients summed over chunks (both present).
+    'gate_params': (gate_param_grad_kernel, dict(NK=4, BK=32, BN=256), dict(absent=OPTIONAL - {'da', 'dbias'}),
+                    [(8, 2, None)]),
     'state_fwd': (chunk_state_fwd_kernel, dict(BK=128, BV=64, USE_INITIAL_STATE=False, TRANSPOSED=False), {},
                   [(4, 2, None), (8, 2, None)]),
     'state_fwd_few': (chunk_state_fwd_kernel, dict(BK=128, BV=32, USE_INITIAL_STATE=False, TRANSPOSED=True), {},

@@ -699,7 +699,8 @@ def test_segmented_forward(monkeypatch, case):
 @requires_kernels
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16,
                                    pytest.param(torch.bfloat16, marks=requires_bf16_kernels)])
-def test_inference_l2norm_in_pair_products(dtype):
+@pytest.mark.parametrize('layout', ['varlen', 'B2-BT32'])
+def test_inference_l2norm_in_pair_products(dtype, layout):
     """Inference with ``use_qk_l2norm_in_kernel`` forms only the inverse norms of q and k, and the
     pair products normalize the rows as they load them, in float32; the training forward
     normalizes q and k in a pass of its own that stores them in the input dtype (and which the
@@ -707,11 +708,15 @@ def test_inference_l2norm_in_pair_products(dtype):
     and k fewer, so no larger an error against float64 than the training forward's on the same
     inputs (measured in the interpreter, float16, three seeds: o 0.79-0.84x of it, the final
     state 0.92-0.97x; bound 1.25x). Strong decay (the far keys' 4-row scheme loads key rows of
-    its own; float16 takes it for every entry), GVA, varlen with partial chunks, K = 60."""
-    cu = make_cu_seqlens([37, 64, 90], device=KDEV)
-    x = make_inputs(1, 191, 2, 4, 60, 40, dtype=dtype, device=KDEV, strong_decay=True, normalize_k=False)
-    opts = dict(initial_state=make_state(3, 4, 60, 40, device=KDEV), output_final_state=True,
-                cu_seqlens=cu, use_qk_l2norm_in_kernel=True, scale=0.7)
+    its own; float16 takes it for every entry), GVA, K = 60; varlen with partial chunks, or two
+    sequences of fixed length with 32-token chunks (two sub-blocks)."""
+    if layout == 'varlen':
+        B, T, N, cu, chunk = 1, 191, 3, make_cu_seqlens([37, 64, 90], device=KDEV), 64
+    else:
+        B, T, N, cu, chunk = 2, 75, 2, None, 32
+    x = make_inputs(B, T, 2, 4, 60, 40, dtype=dtype, device=KDEV, strong_decay=True, normalize_k=False)
+    opts = dict(initial_state=make_state(N, 4, 60, 40, device=KDEV), output_final_state=True,
+                cu_seqlens=cu, use_qk_l2norm_in_kernel=True, scale=0.7, chunk_size=chunk)
     with torch.no_grad():
         o, ht = chunk_kda(**x, **opts)
     o_train, ht_train = chunk_kda(**{n: t.clone().requires_grad_() for n, t in x.items()}, **opts)
@@ -721,7 +726,8 @@ def test_inference_l2norm_in_pair_products(dtype):
         assert torch.equal(ht, ht_train.detach()), "final state differs from the training forward's"
         return
     ro, rht = reference64(**{n: t.cpu() for n, t in x.items()},
-                          **{n: t.cpu() if torch.is_tensor(t) else t for n, t in opts.items()})
+                          **{n: t.cpu() if torch.is_tensor(t) else t for n, t in opts.items()
+                             if n != 'chunk_size'})
     for name, got, train, ref in (('o', o, o_train, ro), ('ht', ht, ht_train, rht)):
         e, e_train = rel_err(got, ref), rel_err(train, ref)
         assert e <= 1.25 * e_train, f"{name}: {e:.3e} against float64, the training forward {e_train:.3e}"
@@ -729,17 +735,22 @@ def test_inference_l2norm_in_pair_products(dtype):
 
 @requires_kernels
 @pytest.mark.parametrize('present', ['both', 'A_log', 'dt_bias'])
-def test_gate_param_grad_sums(present):
-    """The sums over chunks of the gate kernel's per-chunk A_log and dt_bias gradients: several
-    64-chunk steps and a partial one (C = 150), K = 60 (masked columns of a key slice, NK = 3 slice
-    sums a chunk), against float64 sums; an absent parameter's output is not touched."""
+@pytest.mark.parametrize('BN', [64, 'tuned'])
+def test_gate_param_grad_sums(present, BN):
+    """The sums over chunks of the gate kernel's per-chunk A_log and dt_bias gradients: C = 150
+    chunks (with 64 a step, several steps and a partial one; with TUNING's step, one partial
+    step), K = 60 (masked columns of a key slice, NK = 3 slice sums a chunk), against float64
+    sums; the outputs start as NaN, so an entry left unwritten fails."""
     from kda.kernels.chunk_intra_bwd import gate_param_grad_kernel
     C, HV, K, NK = 150, 3, 60, 3
+    cfg = chunk_mod.launch_config('gate_params', K, K)
+    if BN != 'tuned':
+        cfg['BN'] = BN
     da, dbias = torch.randn(C, HV, NK), torch.randn(C, HV, K)
     dA_log = torch.full((HV,), float('nan'), device=KDEV) if present != 'dt_bias' else None
     ddt_bias = torch.full((HV * K,), float('nan'), device=KDEV) if present != 'A_log' else None
-    gate_param_grad_kernel[(HV, 2)](da.to(KDEV), dbias.to(KDEV), dA_log, ddt_bias, C, HV=HV, K=K, NK=NK,
-                                    BK=32, BC=64)
+    gate_param_grad_kernel[(HV, -(-K // cfg['BK']))](da.to(KDEV), dbias.to(KDEV), dA_log, ddt_bias, C,
+                                                     HV=HV, K=K, NK=NK, **cfg)
     if dA_log is not None:
         assert rel_err(dA_log.cpu(), da.double().sum((0, 2))) < 1e-6
     if ddt_bias is not None:
@@ -823,12 +834,12 @@ def compile_shared(stage, dtype, K, few, transposed):
     # build that knows it pipelines its loads through shared memory (the larger ask: the gradient
     # sweep at K = 256 asked 256 KiB on the H200 where the unspecialized build asks 76 KiB).
     # The raw gate's build: g and its dg in the input dtype, A_log, dt_bias and the sums present.
-    raw = dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'},
-               pointers={n: POINTERS[dtype] for n in ('g', 'dg')}) if stage == 'gate_bwd_raw' else {}
+    signature = dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'},
+                     pointers={n: POINTERS[dtype] for n in ('g', 'dg')}) if stage == 'gate_bwd_raw' else {}
     # Inference with use_qk_l2norm_in_kernel: the pair products read the inverse norms of q and k.
     if stage == 'pair_fwd_norms':
-        raw = dict(absent=OPTIONAL - {'rq', 'rk'})
-    return str(cfg), compile_sm90(fn, values, dtype, options, specialize=True, **raw).metadata.shared
+        signature = dict(absent=OPTIONAL - {'rq', 'rk'})
+    return str(cfg), compile_sm90(fn, values, dtype, options, specialize=True, **signature).metadata.shared
 
 
 def row(case):

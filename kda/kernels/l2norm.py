@@ -12,13 +12,6 @@ import triton.language as tl
 
 
 @triton.jit
-def unit_rows(b_x, b_r, dtype: tl.constexpr):
-    """Rows of ``b_x`` (float32) times their inverse norms ``b_r``, rounded to ``dtype``: y as
-    stored."""
-    return (b_x * b_r[:, None]).to(dtype)
-
-
-@triton.jit
 def l2norm_fwd_rows(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """r for BR rows of x; y too unless y is None (inference, where the pair products scale the
     rows of x by r as they load them)."""
@@ -29,7 +22,7 @@ def l2norm_fwd_rows(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: t
     b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
     if y is not None:
-        tl.store(y + p, unit_rows(b_x, b_r, y.dtype.element_ty), mask=m)
+        tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_r, mask=o_r < n_rows)
 
 

@@ -92,7 +92,9 @@ TUNING = {
     # the gathered substitution (thirteenth session) 0.114 against 0.255 at 2 warps.
     # Not swept again since 6b02cbb, where the forward's cumsum build stopped writing the decayed
     # keys and queries (0.143 ms; ptxas: 28 B of spills at the 96 cap) and the pair products
-    # started (0.444 ms; 251 registers at 1 warp, no spills).
+    # started (0.444 ms; 251 registers at 1 warp, no spills). The inference build with the
+    # inverse norms of q and k (ae89aae) shares pair_fwd's entry, not swept: 253 registers at
+    # 1 warp, no spills (ptxas, triton 3.6).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
     'solve': dict(num_warps=1),
@@ -135,12 +137,13 @@ TUNING = {
     # takes its own entry; the softplus gate was not swept and shares it.
     'gate_bwd': dict(BK=64, num_warps=4),
     'gate_bwd_raw': dict(BK=32, num_warps=2),
-    # The sums over chunks of the gate parameters' gradients, BC chunks a step. H200, alone
+    # The sums over chunks of the gate parameters' gradients, BN chunks a step. H200, alone
     # (do_bench, launch included), us a call at 512 chunks x 16 / 32 value heads and 256 x 96:
     # 32-wide, 256 chunks, 8 warps 10.2 / 10.9 / 10.9; 32-wide, 64 chunks, 4 warps 19.5 / 20.5 /
-    # 13.7 (in the Kimi step at (8, 4096, 16): 0.016 ms); 64-wide >= 14.6 / 15.0 / 12.7;
-    # 128-wide >= 22.6; PyTorch's two reductions 39.4 / 41.2 / 26.9.
-    'gate_params': dict(BK=32, BC=256, num_warps=8),
+    # 13.7 (in the Kimi step at (8, 4096, 16): 0.016 ms; the chosen setting's time in the step
+    # is not measured); 64-wide >= 14.6 / 15.0 / 12.7; 128-wide >= 22.6; PyTorch's two
+    # reductions 39.4 / 41.2 / 26.9.
+    'gate_params': dict(BK=32, BN=256, num_warps=8),
 }
 
 
@@ -721,7 +724,9 @@ def chunk_kda(
     if return_intermediate_states or not needs_grad:
         # Inference: nothing is kept for a backward, so q and k are not normalized in a pass of
         # their own: only their inverse norms are formed (half the bytes), and the pair products
-        # scale the raw rows as they load them (in float32: not the training forward's bits).
+        # scale the raw rows as they load them, in float32 (16-bit inputs: the training
+        # forward's outputs to the last bits, which it rounds the normalized rows to; float32
+        # inputs: the same bits).
         norms = l2norm_rstd(q, k) if use_qk_l2norm_in_kernel else None
         o, final_state, _, h = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
