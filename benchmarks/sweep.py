@@ -32,7 +32,8 @@ import bench  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
 FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd', 'state_output_few': 'state_output'}
-KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'pair_fwd': 'chunk_pair_fwd_kernel',
+KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'cumsum_raw': 'chunk_cumsum_kernel',
+           'pair_fwd': 'chunk_pair_fwd_kernel',
            'solve': 'chunk_solve_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
            'state_output': 'chunk_state_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
            'intra_bwd': 'chunk_intra_bwd_kernel', 'pair_bwd': 'chunk_pair_bwd_kernel',
@@ -48,6 +49,9 @@ CANDIDATES = {
     # One TUNING entry serves both cumsum builds: the time is the mean of the forward's (c only) and
     # the backward recompute's (c and the decayed keys and queries) launches.
     'cumsum': [cfg(64, None, 4, 2), cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2, 64), cfg(32, None, 4, 2, 64)],
+    # The raw gate's builds (Kimi configuration), the same two launches a step.
+    'cumsum_raw': [cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2), cfg(64, None, 8, 2), cfg(32, None, 4, 2),
+                   cfg(32, None, 2, 2), cfg(128, None, 8, 2)],
     'pair_fwd': [cfg(32, None, 1, 3), cfg(32, None, 1, 4), cfg(32, None, 1, 2), cfg(32, None, 1, 3, 192),
                  cfg(32, None, 2, 3), cfg(32, None, 2, 3, 128), cfg(64, None, 1, 3), cfg(16, None, 1, 3)],
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
@@ -80,8 +84,8 @@ SHAPES['state_output'] = [(8, 4096, 16, False), (1, 8192, 96, False)]
 SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = SHAPES['state_output_few'] = [(1, 32768, 32, False)]
 # The lower-bound gate compiles the pair gradients without their diagonal fallback.
 SHAPES['pair_bwd_bounded'] = [(8, 4096, 16, True)]
-# The raw gate's build does the activation's gradient too.
-SHAPES['gate_bwd_raw'] = [(8, 4096, 16, True)]
+# The raw gate's builds do the activation (and its gradient) too.
+SHAPES['gate_bwd_raw'] = SHAPES['cumsum_raw'] = [(8, 4096, 16, True)]
 
 
 def inputs(B, T, H, gate=False):

@@ -96,6 +96,12 @@ TUNING = {
     # inverse norms of q and k (ae89aae) shares pair_fwd's entry, not swept: 253 registers at
     # 1 warp, no spills (ptxas, triton 3.6).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
+    # The raw gate's builds (the activation inside; Kimi forward 0.153 ms a call at (8, 4096, 16)
+    # against 0.141 for the g-pre-computed forward build, which reads twice the bytes): for now
+    # cumsum's setting, not swept. ptxas (triton 3.6, bf16, the forward build): 96 registers at
+    # this cap, 80 uncapped (6 programs an SM instead of 5), 48 with 8 warps, 95 128-wide with 8
+    # warps; none spills.
+    'cumsum_raw': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
     'solve': dict(num_warps=1),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
@@ -324,7 +330,7 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     is_varlen = cu_seqlens is not None
     chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
     s1 = out if out is not None else stage1_buffers(B, T, HV, K, BT, q.device, dt, matrices is None)
-    cfg = launch_config('cumsum', K, K)
+    cfg = launch_config('cumsum' if gate is None else 'cumsum_raw', K, K)
     # The decayed keys and queries come from the pair products when those run (the forward).
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
@@ -333,8 +339,8 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
         return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
     rq, rk = (None, None) if norms is None else norms
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
-        q, k, rq, rk, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
-        DOT_DTYPE=DOT_DTYPES[dt],
+        q, k, rq, rk, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
+        BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
         # float16's range ends at 65504: no factor >= 1 on its operands.
         FACTORED_DIAG=dt != torch.float16, IS_VARLEN=is_varlen, **chunks,
         **launch_config('pair_fwd', K, K))
