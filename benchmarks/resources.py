@@ -73,8 +73,8 @@ KERNELS = {
                       dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'}, pointers=dict(g=bf, dg=bf)),
                       [(2, 2, None)]),
     # The A_log and dt_bias gradients summed over chunks (both present).
-    'gate_params': (gate_param_grad_kernel, dict(NK=4, BK=32, BN=256), dict(absent=OPTIONAL - {'da', 'dbias'}),
-                    [(8, 2, None)]),
+    'gate_params': (gate_param_grad_kernel, dict(NK=4, BK=32, BN=256),
+                    dict(absent=OPTIONAL - {'da', 'dbias'}), [(8, 2, None)]),
     'state_fwd': (chunk_state_fwd_kernel, dict(BK=128, BV=64, USE_INITIAL_STATE=False, TRANSPOSED=False), {},
                   [(4, 2, None), (8, 2, None)]),
     'state_fwd_few': (chunk_state_fwd_kernel, dict(BK=128, BV=32, USE_INITIAL_STATE=False, TRANSPOSED=True), {},

@@ -402,8 +402,8 @@ def gate_param_grad_kernel(da, dbias, dA_log, ddt_bias, C, HV: tl.constexpr, K: 
     """The gradients of the gate's parameters from ``chunk_gate_bwd_kernel``'s per-chunk sums, over
     the ``C`` chunks: ``ddt_bias[hv K + k] = sum_c dbias[c, hv, k]`` for key slice
     ``program_id(1)`` of value head ``program_id(0)``, and ``dA_log[hv] = sum_{c, j} da[c, hv, j]``
-    (its first slice stores it), ``BN`` chunks a step. Either output may be None. The same order every run, so the
-    same bits (float atomics in the chunk kernel would not be). As two PyTorch reductions they took
+    (its first slice stores it), ``BN`` chunks a step. Either output may be None. The same order
+    every run, so the same bits (float atomics in the chunk kernel would not be). As two PyTorch reductions they took
     0.034 ms of the Kimi configuration's 6.02 ms step on the H200 at (8, 4096, 16)."""
     NKP: tl.constexpr = triton.next_power_of_2(NK)
     i_hv, i_k = tl.program_id(0), tl.program_id(1)

@@ -12,13 +12,19 @@ import triton.language as tl
 
 
 @triton.jit
+def program_rows(n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """``(o_r, m, p)``: this program's BR row indices, the mask of the ``[BR, BD]`` tile within
+    ``n_rows`` x ``D``, and its element offsets."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    return o_r, (o_r < n_rows)[:, None] & (o_d < D)[None, :], o_r[:, None] * D + o_d[None, :]
+
+
+@triton.jit
 def l2norm_fwd_rows(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """r for BR rows of x; y too unless y is None (inference, where the pair products scale the
     rows of x by r as they load them)."""
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    o_d = tl.arange(0, BD)
-    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
-    p = o_r[:, None] * D + o_d[None, :]
+    o_r, m, p = program_rows(n_rows, D, BR, BD)
     b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
     if y is not None:
@@ -36,10 +42,7 @@ def l2norm_fwd_kernel(q, qn, rq, k, kn, rk, n_rows, D: tl.constexpr, BR: tl.cons
 
 @triton.jit
 def l2norm_bwd_rows(y, rstd, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    o_d = tl.arange(0, BD)
-    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
-    p = o_r[:, None] * D + o_d[None, :]
+    o_r, m, p = program_rows(n_rows, D, BR, BD)
     b_r = tl.load(rstd + o_r, mask=o_r < n_rows, other=0.)
     b_y = tl.load(y + p, mask=m, other=0.).to(tl.float32)
     b_dy = tl.load(dy + p, mask=m, other=0.).to(tl.float32)

@@ -1,8 +1,9 @@
 """``use_qk_l2norm_in_kernel``: launchers of the L2 normalization of q and k and of its gradient
 (``ChunkKDAFunction`` keeps the normalized q and k and their inverse norms for the backward), and
 of the inverse norms alone (``l2norm_rstd``: inference, where the pair products normalize the rows
-themselves, ``kernels/chunk_intra.py``). q and k go through one launch (H200, (8, 4096, 16), kernel time: forward 0.128 -> 0.126 ms, backward
-0.249 -> 0.247; the launch gap between two is not in those figures)."""
+themselves, ``kernels/chunk_intra.py``). q and k go through one launch (H200, (8, 4096, 16),
+kernel time: forward 0.128 -> 0.126 ms, backward 0.249 -> 0.247; the launch gap between two is
+not in those figures)."""
 from __future__ import annotations
 
 import torch
@@ -24,18 +25,21 @@ def l2norm_fwd(q: torch.Tensor, k: torch.Tensor) -> tuple[tuple[torch.Tensor, to
     """``((qn, rq), (kn, rk))``: ``x / sqrt(sum(x^2) + 1e-6)`` and ``1 / sqrt(sum(x^2) + 1e-6)``
     over the last dim, for q and k (contiguous, the same shape and dtype); r shaped
     ``x.shape[:-1]``, float32."""
-    D = q.shape[-1]
     qn, kn = torch.empty_like(q), torch.empty_like(k)
-    rq, rk = (torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) for _ in range(2))
-    l2norm_fwd_kernel[_grid(q)](q, qn, rq, k, kn, rk, q.numel() // D, D=D, BR=ROWS, BD=next_pow2(D))
+    rq, rk = _forward(q, k, qn, kn)
     return (qn, rq), (kn, rk)
 
 
 def l2norm_rstd(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rq, rk)`` of ``l2norm_fwd``, the same bits, without forming qn and kn."""
+    return _forward(q, k, None, None)
+
+
+def _forward(q, k, qn, kn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the forward kernel, writing qn, kn unless None; returns the inverse norms."""
     D = q.shape[-1]
     rq, rk = (torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) for _ in range(2))
-    l2norm_fwd_kernel[_grid(q)](q, None, rq, k, None, rk, q.numel() // D, D=D, BR=ROWS, BD=next_pow2(D))
+    l2norm_fwd_kernel[_grid(q)](q, qn, rq, k, kn, rk, q.numel() // D, D=D, BR=ROWS, BD=next_pow2(D))
     return rq, rk
 
 
