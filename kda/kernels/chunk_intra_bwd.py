@@ -402,9 +402,10 @@ def gate_param_grad_kernel(da, dbias, dA_log, ddt_bias, C, HV: tl.constexpr, K: 
     """The gradients of the gate's parameters from ``chunk_gate_bwd_kernel``'s per-chunk sums, over
     the ``C`` chunks: ``ddt_bias[hv K + k] = sum_c dbias[c, hv, k]`` for key slice
     ``program_id(1)`` of value head ``program_id(0)``, and ``dA_log[hv] = sum_{c, j} da[c, hv, j]``
-    (its first slice stores it), ``BN`` chunks a step. Either output may be None. The same order
-    every run, so the same bits (float atomics in the chunk kernel would not be). As two PyTorch reductions they took
-    0.034 ms of the Kimi configuration's 6.02 ms step on the H200 at (8, 4096, 16)."""
+    (its first slice's program sums and stores it), ``BN`` chunks a step. Either output may be
+    None. The same order every run, so the same bits (float atomics in the chunk kernel would
+    not be). As two PyTorch reductions they took 0.034 ms of the Kimi configuration's 6.02 ms
+    step on the H200 at (8, 4096, 16)."""
     NKP: tl.constexpr = triton.next_power_of_2(NK)
     i_hv, i_k = tl.program_id(0), tl.program_id(1)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -419,8 +420,9 @@ def gate_param_grad_kernel(da, dbias, dA_log, ddt_bias, C, HV: tl.constexpr, K: 
             b_db += tl.sum(tl.load(dbias + o_chv * K + o_k[None, :], mask=m_c & (o_k < K)[None, :],
                                    other=0.), axis=0)
         if dA_log is not None:
-            b_da += tl.sum(tl.load(da + o_chv * NK + o_j[None, :], mask=m_c & (o_j < NK)[None, :],
-                                   other=0.), axis=0)
+            # Only the first key slice's program reads them (masked loads move no bytes).
+            m_j = (o_j < tl.where(i_k == 0, NK, 0))[None, :]
+            b_da += tl.sum(tl.load(da + o_chv * NK + o_j[None, :], mask=m_c & m_j, other=0.), axis=0)
     if ddt_bias is not None:
         tl.store(ddt_bias + i_hv * K + o_k, b_db, mask=o_k < K)
     if dA_log is not None:
