@@ -50,7 +50,7 @@ def sass(name, dtype, K, BV, warps, stages, transposed, flags, varlen=False):
     """Disassembly of one build; ``flags``: initial / final state and stored states on."""
     fn = KERNELS[name]
     values = dict(H=32, HV=32, K=K, V=K, BT=64, BK=K, BV=BV, DOT_DTYPE=DOT_DTYPES[DTYPES[dtype]],
-                  IS_VARLEN=varlen, USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
+                  IS_VARLEN=varlen, SLICES_INNERMOST=varlen and name != 'state_output', USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
                   USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags, TRANSPOSED=transposed)
     # The fused forward sweep's h (states handed to the user) is optional; the carry's is not.
     absent = set() if varlen else set(VARLEN)

@@ -235,7 +235,8 @@ MATRIX = [
     ('varlen-BT64-vfirst-l2', None, dict(chunk_size=64, lengths=[40, 0, 1, 29], H=1, HV=2, K=32, V=24,
                                          state_v_first=True, l2=True)),
     ('varlen-BT32-gva-noh0', None, dict(chunk_size=32, lengths=[33, 3, 32], H=2, HV=4, K=16, V=16, h0=False)),
-    # Two 64-wide value slices: the varlen sweeps' 1-D grid decodes the slice (sweep_program).
+    # Several value slices: the backward's varlen sweeps decode the slice from a 1-D grid, the
+    # forward's from grid axis 1 (sweep_grid).
     ('varlen-BT32-V72', None, dict(chunk_size=32, lengths=[7, 40, 0, 33], H=1, HV=2, K=16, V=72)),
 ]
 
@@ -262,27 +263,28 @@ def test_forward_K32_V100():
 
 @requires_kernels
 @pytest.mark.parametrize('gate', ['A_log+dt_bias', 'A_log_wide', 'lower_bound', 'lower_bound_saturated',
-                                  'lower_bound+A_log_varlen_K60'])
+                                  'lower_bound_saturated+l2norm', 'lower_bound+A_log_varlen_K60'])
 def test_gate_and_beta_in_kernel(gate):
     """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of API.md written out here
     in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias.
     'A_log_wide': the softplus gate without dt_bias on raw gates within +-40: steps from about
     -1e-17 to below the -104 clamp (a = exp(1.5): down to -179), where the gradient is 0.
     'lower_bound_saturated': lower_bound = -5 with raw gates driving whole 16-row blocks to -5 per
-    step, the widest decay span (75) the factored diagonal blocks of the bounded gate take.
+    step, the widest decay span (75) the factored diagonal blocks of the bounded gate take;
+    '+l2norm' the same with q and k normalized in the kernel (the Kimi layer's configuration).
     'lower_bound+A_log_varlen_K60': the bounded gate with A_log and dt_bias, on 3 sequences (partial
     chunks, rows past a sequence's end in a chunk's tiles) and K = 60 (masked key columns)."""
     B, T, H, HV, K, V = 1, 40, 1, 2, 16, 16
     chunk_size, lb = 32, -3.0
     lengths = None
-    if gate == 'lower_bound_saturated':
+    if gate.startswith('lower_bound_saturated'):
         T, K, V, chunk_size, lb = 80, 32, 16, 64, -5.0
     if gate == 'lower_bound+A_log_varlen_K60':
         lengths, K, V = [5, 40, 19], 60, 24
         T = sum(lengths)
     x = make_inputs(B, T, H, HV, K, V)
     x['g'] = torch.randn(B, T, HV, K)                     # raw gate
-    if gate == 'lower_bound_saturated':
+    if gate.startswith('lower_bound_saturated'):
         x['g'][:, 16:48] = 40.                             # sigmoid -> 1: steps of -5
     x['beta'] = 2 * torch.randn(B, T, HV)                  # logits
     s0 = make_state(B if lengths is None else len(lengths), HV, K, V)
@@ -298,7 +300,7 @@ def test_gate_and_beta_in_kernel(gate):
         opts = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     else:
         opts = dict(use_gate_in_kernel=True, lower_bound=lb, use_beta_sigmoid_in_kernel=True,
-                    allow_neg_eigval=True)
+                    allow_neg_eigval=True, use_qk_l2norm_in_kernel=gate.endswith('+l2norm'))
     leaves = {n: t.clone().to(KDEV).requires_grad_() for n, t in dict(x, **extra).items()}
     cu = None if lengths is None else lengths_to_cu(lengths)
     o, ht = chunk_kda(**leaves, initial_state=s0.to(KDEV), output_final_state=True,
@@ -317,7 +319,10 @@ def test_gate_and_beta_in_kernel(gate):
             z = L['A_log'].exp()[:, None] * z
         g = lb * torch.sigmoid(z)
         beta = 2 * torch.sigmoid(L['beta'])
-    ro, rht = naive_recurrent_kda(L['q'], L['k'], L['v'], g, beta, initial_state=to64(s0),
+    q, k = L['q'], L['k']
+    if gate.endswith('+l2norm'):
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    ro, rht = naive_recurrent_kda(q, k, L['v'], g, beta, initial_state=to64(s0),
                                   output_final_state=True, cu_seqlens=cu)
     rg = torch.autograd.grad((ro * to64(do)).sum() + (rht * to64(dht)).sum(), [L[n] for n in names])
     errs = errors(o, ht, dict(zip(names, (t.cpu() for t in gk))), ro, rht, dict(zip(names, rg)))
@@ -829,7 +834,7 @@ def compile_shared(stage, dtype, K, few, transposed):
     else:
         cfg = chunk_mod.launch_config(stage.removesuffix('_norms'), K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
-                  GATE='sigmoid' if stage in RAW_GATE else 'none', DECAYED=True,
+                  SLICES_INNERMOST=False, GATE='sigmoid' if stage in RAW_GATE else 'none', DECAYED=True,
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,

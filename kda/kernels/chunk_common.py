@@ -57,23 +57,22 @@ def state_tile(i_n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexp
 
 @triton.jit
 def sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """A state sweep's program. Fixed length: (sequence, value head) on grid axis 0, which allows
-    2^31 - 1 programs (axis 1 stops at 65535), value slice on axis 1. Varlen: one axis of
-    (sequence, value head, value slice), the slice innermost, the sequences in ``seq_order``
-    (most chunks first). A sweep lasts as long as its longest chain of chunks; where more programs
-    than fit the GPU run one after another, a long sequence started last lengthens it, and the
-    slices of one head started together share their key-side tiles in L2 (H200, the benchmark's
-    varlen batch, 32768 tokens in 8 sequences, against the fixed-length order: gradient sweep
-    1.418 -> 0.952 ms, fused forward sweep 1.058 -> 0.956, carry 0.816 -> 0.633; longest first
-    alone, slices on axis 1: 1.238, 0.893, 0.706). Returns ``(i_n, i_hv, i_v)`` and the
-    sequence's first row, length and first global chunk (``sequence_span``)."""
+                  BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  SLICES_INNERMOST: tl.constexpr):
+    """A state sweep's program: (sequence, value head) on grid axis 0, which allows 2^31 - 1
+    programs (axis 1 stops at 65535), value slice on axis 1; with ``SLICES_INNERMOST``, one axis of
+    (sequence, value head, value slice), the slice innermost (which sweeps take which:
+    ``sweep_grid`` in ``kda/ops/chunk.py``). Varlen takes the sequences in ``seq_order`` (most
+    chunks first). Returns ``(i_n, i_hv, i_v)`` and the sequence's first row, length and first
+    global chunk (``sequence_span``)."""
     NV: tl.constexpr = (V + BV - 1) // BV
-    if IS_VARLEN:
+    if SLICES_INNERMOST:
         i_nh, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
-        i_n, i_hv = tl.load(seq_order + i_nh // HV), i_nh % HV
     else:
         i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n, i_hv = tl.load(seq_order + i_nh // HV), i_nh % HV
+    else:
         i_n, i_hv = i_nh // HV, i_nh % HV
     bos, L, c0 = sequence_span(i_n, cu_seqlens, chunk_offsets, T, NT, BT, IS_VARLEN)
     return i_n, i_hv, i_v, bos, L, c0

@@ -31,12 +31,12 @@ def chunk_state_bwd_kernel(
     stride_sk, stride_sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr, SLICES_INNERMOST: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
     TRANSPOSED: tl.constexpr,
 ):
     i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV, V,
-                                               BT, BV, IS_VARLEN)
+                                               BT, BV, IS_VARLEN, SLICES_INNERMOST)
     b_dh, o_s, m_s = load_state(dht, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV,
                                 USE_FINAL_STATE_GRADIENT)
     b_dh = oriented(b_dh, TRANSPOSED)

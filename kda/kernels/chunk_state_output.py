@@ -32,13 +32,13 @@ def chunk_state_output_fwd_kernel(
     stride_sk, stride_sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr, SLICES_INNERMOST: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_STATES: tl.constexpr,
 ):
     # Always transposed: faster with few programs and with many (module docstring).
     TRANSPOSED: tl.constexpr = True
     i_n, i_hv, i_v, bos, L, c0 = sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV, V,
-                                               BT, BV, IS_VARLEN)
+                                               BT, BV, IS_VARLEN, SLICES_INNERMOST)
     # Aqk's entries above its diagonal are never written.
     m_tri = lower_o(BT, TRANSPOSED)
     b_h, o_s, m_s = load_state(h0, i_n, i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV,

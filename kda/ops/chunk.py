@@ -97,10 +97,12 @@ TUNING = {
     # 1 warp, no spills (ptxas, triton 3.6).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
     # The raw gate's builds (the activation inside; Kimi forward 0.153 ms a call at (8, 4096, 16)
-    # against 0.141 for the g-pre-computed forward build, which reads twice the bytes): for now
-    # cumsum's setting, not swept. ptxas (triton 3.6, bf16, the forward build): 96 registers at
-    # this cap, 80 uncapped (6 programs an SM instead of 5), 48 with 8 warps, 95 128-wide with 8
-    # warps; none spills.
+    # against 0.141 for the g-pre-computed forward build, which reads twice the bytes). H200
+    # sweep (sixteenth session), Kimi step at (8, 4096, 16), ms a launch averaged over the
+    # forward's and the recompute's: 64-wide with 4 warps 0.240 capped at 96 (cumsum's setting),
+    # 0.249 uncapped, 0.317 with 8 warps; 32-wide 0.28-0.29 (2 or 4 warps); 128-wide with 8 warps
+    # 0.299. ptxas (triton 3.6, bf16, the forward build): 96 registers at this cap, 80 uncapped
+    # (6 programs an SM instead of 5), 48 with 8 warps, 95 128-wide with 8 warps; none spills.
     'cumsum_raw': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
     'solve': dict(num_warps=1),
@@ -267,9 +269,29 @@ def gate_launch_args(gate: KernelGate | None) -> dict:
     return dict(A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, GATE=gate.kind)
 
 
-def sweep_grid(N: int, HV: int, V: int, BV: int, varlen: bool) -> tuple[int, ...]:
-    """A state sweep's grid (``sweep_program`` in ``kernels/chunk_common.py``)."""
-    return (N * HV * cdiv(V, BV),) if varlen else (N * HV, cdiv(V, BV))
+def sweep_grid(stage: str, N: int, HV: int, K: int, V: int, BV: int, varlen: bool,
+               device) -> tuple[tuple[int, ...], bool]:
+    """A state sweep's grid and its ``SLICES_INNERMOST`` (``sweep_program`` in
+    ``kernels/chunk_common.py``): the backward's sweeps (carry, gradient sweep) with their value
+    slices innermost on one axis, but on grid axis 1 with few programs (FEW_PROGRAMS) and fixed
+    lengths; the fused forward sweep always on axis 1. The same kernels, the same bits; only the
+    order in which their programs are issued differs, and why it costs what it does is not
+    established. H200, ms:
+
+    - a varlen sweep lasts as long as its longest chain of chunks; where more programs than fit
+      the GPU run one after another, a long sequence started last lengthens it, hence longest
+      first. The benchmark's varlen batch (32768 tokens in 8 sequences) against the fixed-length
+      order, a call: gradient sweep 1.418 -> 0.952, carry 0.816 -> 0.633 with the slices
+      innermost (longest first, slices on axis 1: 1.238, 0.706);
+    - the fused forward sweep, a call, axis 1 against innermost (eighteenth session):
+      (8, 4096, 16) 0.384 / 0.460, (4, 8192, 32) 0.762 / 0.913, (1, 8192, 96) 0.742 / 0.892,
+      varlen 4 x 8192 0.780 / 0.914, the varlen batch 0.858 / 0.915;
+    - the backward's fixed-length sweeps innermost against axis 1, forward + backward a step,
+      g pre-computed / Kimi gate: (8, 4096, 16) -0.072 / -0.031, (4, 8192, 32) -0.178 / -0.056,
+      (1, 8192, 96) -0.076 / -0.099; with few programs, (1, 32768, 32): -0.066 / +0.091."""
+    innermost = stage != 'state_output' and (varlen or not few_programs(stage, K, V, N * HV, device))
+    NV = cdiv(V, BV)
+    return ((N * HV * NV,) if innermost else (N * HV, NV)), innermost
 
 
 def head_dims(q, v, layout: ChunkLayout, cu_seqlens) -> dict:
@@ -435,14 +457,16 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     final_state = torch.empty(shape, dtype=torch.float32, device=dev) if output_final_state else None
 
+    grid, innermost = sweep_grid('state_output', N, HV, K, V, blocks['BV'], cu_seqlens is not None, dev)
+
     def sweep(s1, part, part_layout, h0, ht):
         Tp = part.stop - part.start
-        chunk_state_output_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
+        chunk_state_output_fwd_kernel[grid](
             s1.qt, s1.kg, s1.kbar, v[:, part], beta[:, part], s1.gc, s1.Aqk, s1.Minv, o[:, part], h,
             h0, ht, cu_seqlens, part_layout.offsets, part_layout.order, Tp, part_layout.NT,
             *state_strides(K, V, state_v_first), USE_INITIAL_STATE=h0 is not None,
-            STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, **blocks,
-            **head_dims(q, v, part_layout, cu_seqlens))
+            STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, SLICES_INNERMOST=innermost,
+            **blocks, **head_dims(q, v, part_layout, cu_seqlens))
 
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     if segments is None:
@@ -485,11 +509,12 @@ def chunk_kda_recompute(q, k, v, beta, initial_state, state_v_first, cu_seqlens,
     # In the input dtype: every later product rounds them to it anyway.
     h = torch.empty(layout.total, HV, K, V, dtype=dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    grid, innermost = sweep_grid('state_fwd', N, HV, K, V, blocks['BV'], cu_seqlens is not None, dev)
     with torch.cuda.stream(side):
-        chunk_state_fwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
+        chunk_state_fwd_kernel[grid](
             s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens,
             layout.offsets, layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
-            USE_INITIAL_STATE=initial_state is not None,
+            USE_INITIAL_STATE=initial_state is not None, SLICES_INNERMOST=innermost,
             TRANSPOSED=transposed_sweeps(N, HV, K, V, dev, dt), **blocks,
             **head_dims(q, v, layout, cu_seqlens))
     return s1.gc, s1.Aqk, s1.Akk, s1.Minv, s1.kg, h, v_new, s1.kbar, s1.qt
@@ -531,12 +556,13 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         # Read only as a matrix-product operand (rounded to the input dtype there): kept in that dtype.
         dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
         dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-        chunk_state_bwd_kernel[sweep_grid(N, HV, V, blocks['BV'], cu_seqlens is not None)](
+        grid, innermost = sweep_grid('state_bwd', N, HV, K, V, blocks['BV'], cu_seqlens is not None, dev)
+        chunk_state_bwd_kernel[grid](
             qt, kbar, kg, beta, gc, Aqk, Minv, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets,
             layout.order, T, layout.NT,
             *state_strides(K, V, state_v_first),
             USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
-            TRANSPOSED=transposed, **blocks, **common)
+            SLICES_INNERMOST=innermost, TRANSPOSED=transposed, **blocks, **common)
     finally:
         # Also when the above raises: the carry still reads stage 1's tensors, which the current
         # stream must not free (and a graph capture must not stay forked) before it has waited.
