@@ -32,7 +32,9 @@ VARLEN = {'cu_seqlens', 'chunk_offsets', 'seq_order'}
 STATE_IO = {'h0', 'ht', 'dht', 'dh0'}
 # (kernel, dtype, K = V, BV, warps, stages, transposed): the launch settings in use (kda.ops.chunk;
 # the carry and the gradient sweep transposed with few programs, the fused forward sweep always)
-# and the build that faulted.
+# and the build that faulted. The carry and the gradient sweep are compiled in both program
+# mappings (value slices innermost or on grid axis 1, ``sweep_grid``), which depend on the
+# program count; the fused forward sweep has only the second.
 CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_output', 'bf16', 256, 32, 4, 1, True),
          ('state_output', 'fp16', 128, 64, 4, 1, True), ('state_output', 'fp32', 128, 64, 4, 1, True),
          ('state_output', 'bf16', 128, 32, 4, 2, True), ('state_output', 'bf16', 256, 32, 4, 2, True),
@@ -41,17 +43,19 @@ CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_output', 'bf16',
          ('state_bwd', 'bf16', 128, 64, 4, 2, False), ('state_bwd', 'bf16', 128, 64, 4, 2, True),
          ('state_bwd', 'bf16', 128, 32, 4, 3, True), ('state_bwd', 'bf16', 256, 32, 4, 2, True),
          ('state_fwd', 'bf16', 128, 16, 4, 1, False)]
-# The many-program settings in use again with varlen (the sweeps' other program mapping).
+# The many-program settings in use again with varlen (the sequences' bounds loaded).
 VARLEN_CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_fwd', 'bf16', 128, 64, 4, 2, False),
                 ('state_bwd', 'bf16', 128, 64, 4, 2, False)]
 
 
-def sass(name, dtype, K, BV, warps, stages, transposed, flags, varlen=False):
-    """Disassembly of one build; ``flags``: initial / final state and stored states on."""
+def sass(name, dtype, K, BV, warps, stages, transposed, flags, varlen=False, innermost=False):
+    """Disassembly of one build; ``flags``: initial / final state and stored states on;
+    ``innermost``: the value slices innermost on one grid axis."""
     fn = KERNELS[name]
     values = dict(H=32, HV=32, K=K, V=K, BT=64, BK=K, BV=BV, DOT_DTYPE=DOT_DTYPES[DTYPES[dtype]],
-                  IS_VARLEN=varlen, SLICES_INNERMOST=varlen and name != 'state_output', USE_INITIAL_STATE=flags, STORE_FINAL_STATE=flags, STORE_STATES=flags,
-                  USE_FINAL_STATE_GRADIENT=flags, STORE_INITIAL_STATE_GRADIENT=flags, TRANSPOSED=transposed)
+                  IS_VARLEN=varlen, SLICES_INNERMOST=innermost, USE_INITIAL_STATE=flags,
+                  STORE_FINAL_STATE=flags, STORE_STATES=flags, USE_FINAL_STATE_GRADIENT=flags,
+                  STORE_INITIAL_STATE_GRADIENT=flags, TRANSPOSED=transposed)
     # The fused forward sweep's h (states handed to the user) is optional; the carry's is not.
     absent = set() if varlen else set(VARLEN)
     if not flags:
@@ -97,11 +101,13 @@ def main():
     print(f'triton {triton.__version__}')
     for varlen, cases in ((False, CASES), (True, VARLEN_CASES)):
         for case in cases:
-            for flags in (False, True):
-                found = undefined_reads(sass(*case, flags, varlen))
-                print(case, 'varlen' if varlen else '', 'with states' if flags else '',
-                      'reads before writes:', ', '.join(f'{r} at {a} ({o})' for a, o, r in found) or 'none',
-                      flush=True)
+            backward = case[0] != 'state_output'
+            for innermost in ((True,) if varlen else (False, True)) if backward else (False,):
+                for flags in (False, True):
+                    found = undefined_reads(sass(*case, flags, varlen, innermost))
+                    print(case, 'varlen' if varlen else '', 'slices innermost' if innermost else '',
+                          'with states' if flags else '', 'reads before writes:',
+                          ', '.join(f'{r} at {a} ({o})' for a, o, r in found) or 'none', flush=True)
 
 
 if __name__ == '__main__':

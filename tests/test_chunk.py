@@ -231,6 +231,9 @@ MATRIX = [
     ('T40-BT32-l2norm-scale', (1, 40, 2, 2, 32, 32), dict(chunk_size=32, l2=True, scale=0.3)),
     ('T30-BT32-K100-V100', (1, 30, 1, 1, 100, 100), dict(chunk_size=32)),
     ('T1-BT64', (3, 1, 1, 1, 16, 16), dict(chunk_size=64)),
+    # Fixed length with several (sequence, head) pairs and value slices: the backward's sweeps
+    # with their slices innermost on a 1-D grid, the forward's on axis 1 (sweep_grid).
+    ('T40-BT32-B2-gva12-V72', (2, 40, 1, 2, 16, 72), dict(chunk_size=32)),
     ('varlen-BT32-empty-len1', None, dict(chunk_size=32, lengths=[0, 1, 19, 25], H=1, HV=2, K=32, V=32)),
     ('varlen-BT64-vfirst-l2', None, dict(chunk_size=64, lengths=[40, 0, 1, 29], H=1, HV=2, K=32, V=24,
                                          state_v_first=True, l2=True)),
@@ -834,7 +837,7 @@ def compile_shared(stage, dtype, K, few, transposed):
     else:
         cfg = chunk_mod.launch_config(stage.removesuffix('_norms'), K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
-                  SLICES_INNERMOST=False, GATE='sigmoid' if stage in RAW_GATE else 'none', DECAYED=True,
+                  SLICES_INNERMOST=stage in ('state_fwd', 'state_bwd') and not few, GATE='sigmoid' if stage in RAW_GATE else 'none', DECAYED=True,
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,
