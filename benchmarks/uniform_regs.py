@@ -101,8 +101,8 @@ def main():
     print(f'triton {triton.__version__}')
     for varlen, cases in ((False, CASES), (True, VARLEN_CASES)):
         for case in cases:
-            backward = case[0] != 'state_output'
-            for innermost in ((True,) if varlen else (False, True)) if backward else (False,):
+            mappings = (False,) if case[0] == 'state_output' else (True,) if varlen else (False, True)
+            for innermost in mappings:
                 for flags in (False, True):
                     found = undefined_reads(sass(*case, flags, varlen, innermost))
                     print(case, 'varlen' if varlen else '', 'slices innermost' if innermost else '',

@@ -837,7 +837,8 @@ def compile_shared(stage, dtype, K, few, transposed):
     else:
         cfg = chunk_mod.launch_config(stage.removesuffix('_norms'), K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
-                  SLICES_INNERMOST=stage in ('state_fwd', 'state_bwd') and not few, GATE='sigmoid' if stage in RAW_GATE else 'none', DECAYED=True,
+                  SLICES_INNERMOST=cfg.get('SLICES_INNERMOST', False),
+                  GATE='sigmoid' if stage in RAW_GATE else 'none', DECAYED=True,
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,

@@ -212,14 +212,18 @@ def few_programs(stage: str, K: int, V: int, sequence_heads: int, device) -> boo
 
 
 def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
-                        dtype: torch.dtype) -> dict:
+                        dtype: torch.dtype, varlen: bool = False) -> dict:
     """``launch_config`` of a state sweep over ``sequence_heads`` (sequence, value head) pairs of
-    ``dtype`` inputs, with FEW_PROGRAMS applied when they would leave SMs idle."""
+    ``dtype`` inputs, with FEW_PROGRAMS applied when they would leave SMs idle, and the order of
+    its programs (``SLICES_INNERMOST``, see ``sweep_grid``; ``varlen``: sequences of their own
+    lengths)."""
     cfg = launch_config(stage, K, V)
-    if few_programs(stage, K, V, sequence_heads, device):
+    few = few_programs(stage, K, V, sequence_heads, device)
+    if few:
         cfg['BV'] = max(16, cfg['BV'] // 2)
         cfg.update({n: x for n, x in FEW_PROGRAMS[stage].items() if x is not None})
         cfg['BV'] = min(cfg['BV'], next_pow2(V))
+    cfg['SLICES_INNERMOST'] = stage != 'state_output' and (varlen or not few)
     # Shape rules last, so that no table entry above overrides them. The whole key dimension is
     # one block; at K = 256 half the value slice keeps the [256, BV] float32 state within the
     # registers.
@@ -269,30 +273,28 @@ def gate_launch_args(gate: KernelGate | None) -> dict:
     return dict(A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, GATE=gate.kind)
 
 
-def sweep_grid(stage: str, N: int, HV: int, K: int, V: int, BV: int, varlen: bool,
-               device) -> tuple[tuple[int, ...], bool]:
-    """A state sweep's grid and its ``SLICES_INNERMOST`` (``sweep_program`` in
-    ``kernels/chunk_common.py``): the backward's sweeps (carry, gradient sweep) with their value
-    slices innermost on one axis, but on grid axis 1 with few programs (FEW_PROGRAMS) and fixed
-    lengths; the fused forward sweep always on axis 1. The same kernels, the same bits; only the
-    order in which their programs are issued differs, and why it costs what it does is not
-    established. H200, ms:
+def sweep_grid(N: int, HV: int, V: int, cfg: dict) -> tuple[int, ...]:
+    """The grid of a state sweep launched with ``cfg`` (``state_launch_config``), as
+    ``sweep_program`` in ``kernels/chunk_common.py`` reads it: the value slices innermost on one
+    axis (``SLICES_INNERMOST``: the backward's sweeps, carry and gradient sweep, but with few
+    programs at fixed length) or on grid axis 1 (the fused forward sweep always). The same
+    kernels, the same bits; only the order in which their programs are issued differs, and why it
+    costs what it does is not established. H200, ms:
 
     - a varlen sweep lasts as long as its longest chain of chunks; where more programs than fit
       the GPU run one after another, a long sequence started last lengthens it, hence longest
       first (with the slices on axis 1, the first slice of every sequence starts before any
-      second one). The benchmark's varlen batch (32768 tokens in 8 sequences) against the fixed-length
-      order, a call: gradient sweep 1.418 -> 0.952, carry 0.816 -> 0.633 with the slices
-      innermost (longest first, slices on axis 1: 1.238, 0.706);
+      second one). The benchmark's varlen batch (32768 tokens in 8 sequences) against the
+      fixed-length order, a call: gradient sweep 1.418 -> 0.952, carry 0.816 -> 0.633 with the
+      slices innermost (longest first, slices on axis 1: 1.238, 0.706);
     - the fused forward sweep, a call, axis 1 against innermost (eighteenth session):
       (8, 4096, 16) 0.384 / 0.460, (4, 8192, 32) 0.762 / 0.913, (1, 8192, 96) 0.742 / 0.892,
       varlen 4 x 8192 0.780 / 0.914, the varlen batch 0.858 / 0.915;
     - the backward's fixed-length sweeps innermost against axis 1, forward + backward a step,
       g pre-computed / Kimi gate: (8, 4096, 16) -0.072 / -0.031, (4, 8192, 32) -0.178 / -0.056,
       (1, 8192, 96) -0.076 / -0.099; with few programs, (1, 32768, 32): -0.066 / +0.091."""
-    innermost = stage != 'state_output' and (varlen or not few_programs(stage, K, V, N * HV, device))
-    NV = cdiv(V, BV)
-    return ((N * HV * NV,) if innermost else (N * HV, NV)), innermost
+    NV = cdiv(V, cfg['BV'])
+    return (N * HV * NV,) if cfg['SLICES_INNERMOST'] else (N * HV, NV)
 
 
 def head_dims(q, v, layout: ChunkLayout, cu_seqlens) -> dict:
@@ -452,22 +454,20 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev, dt = q.device, q.dtype
-    blocks = state_launch_config('state_output', K, V, N * HV, dev, dt)
+    blocks = state_launch_config('state_output', K, V, N * HV, dev, dt, cu_seqlens is not None)
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     final_state = torch.empty(shape, dtype=torch.float32, device=dev) if output_final_state else None
 
-    grid, innermost = sweep_grid('state_output', N, HV, K, V, blocks['BV'], cu_seqlens is not None, dev)
-
     def sweep(s1, part, part_layout, h0, ht):
         Tp = part.stop - part.start
-        chunk_state_output_fwd_kernel[grid](
+        chunk_state_output_fwd_kernel[sweep_grid(N, HV, V, blocks)](
             s1.qt, s1.kg, s1.kbar, v[:, part], beta[:, part], s1.gc, s1.Aqk, s1.Minv, o[:, part], h,
             h0, ht, cu_seqlens, part_layout.offsets, part_layout.order, Tp, part_layout.NT,
             *state_strides(K, V, state_v_first), USE_INITIAL_STATE=h0 is not None,
-            STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, SLICES_INNERMOST=innermost,
-            **blocks, **head_dims(q, v, part_layout, cu_seqlens))
+            STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, **blocks,
+            **head_dims(q, v, part_layout, cu_seqlens))
 
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     if segments is None:
@@ -506,16 +506,15 @@ def chunk_kda_recompute(q, k, v, beta, initial_state, state_v_first, cu_seqlens,
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev, dt = q.device, q.dtype
-    blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt)
+    blocks = state_launch_config('state_fwd', K, V, N * HV, dev, dt, cu_seqlens is not None)
     # In the input dtype: every later product rounds them to it anyway.
     h = torch.empty(layout.total, HV, K, V, dtype=dt, device=dev)
     v_new = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    grid, innermost = sweep_grid('state_fwd', N, HV, K, V, blocks['BV'], cu_seqlens is not None, dev)
     with torch.cuda.stream(side):
-        chunk_state_fwd_kernel[grid](
+        chunk_state_fwd_kernel[sweep_grid(N, HV, V, blocks)](
             s1.kg, s1.kbar, v, beta, s1.gc, s1.Minv, h, v_new, initial_state, cu_seqlens,
             layout.offsets, layout.order, T, layout.NT, *state_strides(K, V, state_v_first),
-            USE_INITIAL_STATE=initial_state is not None, SLICES_INNERMOST=innermost,
+            USE_INITIAL_STATE=initial_state is not None,
             TRANSPOSED=transposed_sweeps(N, HV, K, V, dev, dt), **blocks,
             **head_dims(q, v, layout, cu_seqlens))
     return s1.gc, s1.Aqk, s1.Akk, s1.Minv, s1.kg, h, v_new, s1.kbar, s1.qt
@@ -552,18 +551,17 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
             s1 = None
         gc, Aqk, Akk, Minv, kg, h, v_new, kbar, qt = saved
         saved = None
-        blocks = state_launch_config('state_bwd', K, V, N * HV, dev, q.dtype)
+        blocks = state_launch_config('state_bwd', K, V, N * HV, dev, q.dtype, cu_seqlens is not None)
         dh = torch.empty_like(h)
         # Read only as a matrix-product operand (rounded to the input dtype there): kept in that dtype.
         dv_new = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
         dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-        grid, innermost = sweep_grid('state_bwd', N, HV, K, V, blocks['BV'], cu_seqlens is not None, dev)
-        chunk_state_bwd_kernel[grid](
+        chunk_state_bwd_kernel[sweep_grid(N, HV, V, blocks)](
             qt, kbar, kg, beta, gc, Aqk, Minv, do, dh, dv_new, dht, dh0, cu_seqlens, layout.offsets,
             layout.order, T, layout.NT,
             *state_strides(K, V, state_v_first),
             USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=dh0 is not None,
-            SLICES_INNERMOST=innermost, TRANSPOSED=transposed, **blocks, **common)
+            TRANSPOSED=transposed, **blocks, **common)
     finally:
         # Also when the above raises: the carry still reads stage 1's tensors, which the current
         # stream must not free (and a graph capture must not stay forked) before it has waited.
