@@ -767,19 +767,19 @@ def test_gate_param_grad_sums(present, BN):
 
 @pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
 def test_chunk_layout_varlen(dtype):
-    """The varlen chunk map: (sequence, chunk) per global chunk, each sequence's first chunk, and
+    """The varlen chunk map: (first row, valid rows) per global chunk, each sequence's first chunk, and
     the sweeps' start order, most chunks first with ties in sequence order. A wrong order is not
     caught by the numerical tests when it is a permutation (every sequence still runs), so the
     order itself is pinned here."""
     offsets = [0, 70, 70, 71, 200, 264]          # lengths 70, 0, 1, 129, 64 -> chunks 2, 0, 1, 3, 1
     layout = chunk_mod.chunk_layout(1, 264, 64, offsets, torch.tensor(offsets, dtype=dtype).to(KDEV))
     assert (layout.BT, layout.NT, layout.total) == (64, 0, 7)
-    assert layout.indices.tolist() == [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2], [4, 0]]
+    assert layout.rows.tolist() == [[0, 64], [64, 6], [70, 1], [71, 64], [135, 64], [199, 1], [200, 64]]
     assert layout.offsets.tolist() == [0, 2, 2, 3, 6, 7]
     assert layout.order.tolist() == [3, 0, 2, 4, 1]
-    assert all(t.dtype == torch.int32 for t in (layout.indices, layout.offsets, layout.order))
+    assert all(t.dtype == torch.int32 for t in (layout.rows, layout.offsets, layout.order))
     fixed = chunk_mod.chunk_layout(2, 130, 64, None, None)
-    assert (fixed.NT, fixed.total, fixed.indices, fixed.order) == (3, 6, None, None)
+    assert (fixed.NT, fixed.total, fixed.rows, fixed.order) == (3, 6, None, None)
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16, torch.float32])

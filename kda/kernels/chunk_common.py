@@ -8,24 +8,22 @@ import triton.language as tl
 
 
 @triton.jit
-def chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequence index, first row and number of valid rows of global chunk ``i_c``.
+def chunk_span(i_c, chunk_rows, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First row and number of valid rows of global chunk ``i_c``.
 
     Fixed length: chunk ``i_c`` is chunk ``i_c % NT`` of sequence ``i_c // NT``. Varlen:
-    ``chunk_indices[i_c] = (sequence, chunk within it)``.
+    ``chunk_rows[i_c] = (first row, valid rows)`` (``chunk_layout``), two loads that do not wait
+    on each other, where a map of (sequence, chunk) needed the sequence's bounds after it.
     """
     if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        start = tl.load(chunk_rows + i_c * 2).to(tl.int64)
+        rows = tl.load(chunk_rows + i_c * 2 + 1)
     else:
         i_n = (i_c // NT).to(tl.int64)
         i_t = (i_c % NT).to(tl.int64)
-        bos = i_n * T
-        eos = bos + T
-    start = bos + i_t * BT
-    return i_n, start, tl.minimum(eos - start, BT).to(tl.int32)
+        start = i_n * T + i_t * BT
+        rows = tl.minimum(i_n * T + T - start, BT)
+    return start, rows.to(tl.int32)
 
 
 @triton.jit

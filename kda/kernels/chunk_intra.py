@@ -243,7 +243,7 @@ def store_decayed_queries(qt_base, b_q, b_c, scale, row0, L, col0, HV: tl.conste
 @triton.jit
 def chunk_cumsum_kernel(
     g, A_log, dt_bias, q, k, gc, qt, kbar, kg,
-    cu_seqlens, chunk_indices,
+    chunk_rows,
     scale, lower_bound, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, DECAYED: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -262,7 +262,7 @@ def chunk_cumsum_kernel(
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK
     i_h = i_hv // (HV // H)
-    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     # The chunk's first row in the [.., HV, K] tensors (g, gc and the decayed keys and queries)
     # and in q, k ([.., H, K]).
     hv_offset = start * HV * K + i_hv * K
@@ -285,7 +285,7 @@ def chunk_cumsum_kernel(
 @triton.jit
 def chunk_pair_fwd_kernel(
     q, k, rq, rk, gc, Aqk, Akk, qt, kbar, kg,
-    cu_seqlens, chunk_indices,
+    chunk_rows,
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -304,7 +304,7 @@ def chunk_pair_fwd_kernel(
     i_ci, i_hv = tl.program_id(0), tl.program_id(1)
     i_c, i_i = i_ci // NC, i_ci % NC
     i_h = i_hv // (HV // H)
-    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     q_base = q + start * H * K + i_h * K
     k_base = k + start * H * K + i_h * K
     rq_base = None if rq is None else rq + start * H + i_h
@@ -365,14 +365,14 @@ def chunk_pair_fwd_kernel(
 @triton.jit
 def chunk_solve_kernel(
     beta, Akk, Minv,
-    cu_seqlens, chunk_indices,
+    chunk_rows,
     T, NT,
     HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_DTYPE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
     """``M = (I + diag(beta) A')^-1`` of one chunk and value head."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     K_base = Akk + start * HV * BT + i_hv * BT
     M_base = Minv + start * HV * BT + i_hv * BT
 

@@ -196,7 +196,7 @@ def pair_col_grads(b_d, dP1_base, dP2_base, q_base, k_base, gc_base, X, b_cX, i_
 def chunk_intra_bwd_kernel(
     q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
     dq, dk, dv, dbeta, dg, dAqk, dAkk,
-    cu_seqlens, chunk_indices,
+    chunk_rows,
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -204,7 +204,7 @@ def chunk_intra_bwd_kernel(
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
 
     q_base = q + start * H * K + i_h * K
@@ -299,7 +299,7 @@ def chunk_intra_bwd_kernel(
 @triton.jit
 def chunk_pair_bwd_kernel(
     q, k, gc, dAqk, dAkk, dq, dk, dg,
-    cu_seqlens, chunk_indices,
+    chunk_rows,
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -318,7 +318,7 @@ def chunk_pair_bwd_kernel(
     i_c, X = i_cx // NC, i_cx % NC
     i_hv, i_k = i_hvk // NK, i_hvk % NK
     i_h = i_hv // (HV // H)
-    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     q_base = q + start * H * K + i_h * K
     k_base = k + start * H * K + i_h * K
     gc_base = gc + start * HV * K + i_hv * K
@@ -354,7 +354,7 @@ def chunk_pair_bwd_kernel(
 @triton.jit
 def chunk_gate_bwd_kernel(
     g, A_log, dt_bias, dc, dg, da, dbias,
-    cu_seqlens, chunk_indices,
+    chunk_rows,
     lower_bound, T, NT,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -372,7 +372,7 @@ def chunk_gate_bwd_kernel(
     NK: tl.constexpr = (K + BK - 1) // BK
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK
-    _, start, L = chunk_span(i_c, cu_seqlens, chunk_indices, T, NT, BT, IS_VARLEN)
+    start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     dg_base = dg + start * HV * K + i_hv * K
     b_dc = load_tile(dc + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)
     b_g = load_tile(g + start * HV * K + i_hv * K, 0, L, HV * K, i_k * BK, K, BT, BK)

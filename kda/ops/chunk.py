@@ -42,13 +42,13 @@ BC = 16
 @dataclass(frozen=True)
 class ChunkLayout:
     """Where the chunks are. ``NT``: chunks per sequence (fixed length only); ``total``: chunks
-    over all sequences; for varlen, ``indices[c] = (sequence, chunk within it)``,
+    over all sequences; for varlen, ``rows[c] = (first row, valid rows)`` of global chunk c,
     ``offsets[n]`` = first global chunk of sequence n, and ``order``: the sequences by chunk count,
     most first, the order in which the state sweeps start them."""
     BT: int
     NT: int
     total: int
-    indices: torch.Tensor | None
+    rows: torch.Tensor | None
     offsets: torch.Tensor | None
     order: torch.Tensor | None
 
@@ -70,10 +70,11 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
     # output_size: the size is known here, so repeat_interleave does not read counts back. It
     # trusts cu_seqlens_cpu to hold cu_seqlens' values (API.md); checking would cost the sync.
     seq = torch.repeat_interleave(counts, output_size=total)
-    indices = torch.stack([seq, torch.arange(total, device=cu.device) - offsets[seq]], 1)
+    first = cu[seq] + (torch.arange(total, device=cu.device) - offsets[seq]) * BT
+    rows = torch.stack([first, torch.clamp(cu[seq + 1] - first, max=BT)], 1)
     # Stable: sequences of as many chunks keep their order.
     order = torch.sort(counts, descending=True, stable=True).indices
-    return ChunkLayout(BT, 0, total, indices.int(), offsets.int(), order.int())
+    return ChunkLayout(BT, 0, total, rows.int(), offsets.int(), order.int())
 
 
 # Launch configuration of each chunk kernel: block sizes (capped by the head dims at launch) and
@@ -353,7 +354,7 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     BT = layout.BT
     dt = q.dtype
     is_varlen = cu_seqlens is not None
-    chunks = dict(cu_seqlens=cu_seqlens, chunk_indices=layout.indices, T=T, NT=layout.NT)
+    chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT)
     s1 = out if out is not None else stage1_buffers(B, T, HV, K, BT, q.device, dt, matrices is None)
     cfg = launch_config('cumsum' if gate is None else 'cumsum_raw', K, K)
     # The decayed keys and queries come from the pair products when those run (the forward).
@@ -579,13 +580,13 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     dAkk = torch.empty_like(Akk)
     chunk_intra_bwd_kernel[(layout.total, HV)](
         q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
-        dq, dk, dv, dbeta, dg, dAqk, dAkk, cu_seqlens, layout.indices, scale, T, layout.NT,
+        dq, dk, dv, dbeta, dg, dAqk, dAkk, layout.rows, scale, T, layout.NT,
         **launch_config('intra_bwd', K, V), **common)
     # The lower-bound gate's steps are >= lower_bound >= -5 (validated).
     bounded = gate is not None and gate.kind == 'sigmoid'
     cfg = launch_config('pair_bwd_bounded' if bounded else 'pair_bwd', K, V)
     chunk_pair_bwd_kernel[(layout.total * (BT // BC), HV * cdiv(K, cfg['BK']))](
-        q, k, gc, dAqk, dAkk, dq, dk, dg, cu_seqlens, layout.indices, T, layout.NT,
+        q, k, gc, dAqk, dAkk, dq, dk, dg, layout.rows, T, layout.NT,
         H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_DTYPE=common['DOT_DTYPE'], IS_VARLEN=common['IS_VARLEN'],
         BOUNDED_DECAY=bounded, **cfg)
     # Read by no later kernel: freed before the gate kernel allocates (a bf16 raw gate's dg is a
@@ -604,7 +605,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     # 0.4 GB of traffic at (8, 4096, 16)); in place when g is float32.
     dc, dg = dg, (dg if g.dtype == torch.float32 else torch.empty_like(g))
     chunk_gate_bwd_kernel[(layout.total, HV * NK)](
-        g, dc=dc, dg=dg, da=da, dbias=dbias, cu_seqlens=cu_seqlens, chunk_indices=layout.indices,
+        g, dc=dc, dg=dg, da=da, dbias=dbias, chunk_rows=layout.rows,
         T=T, NT=layout.NT, HV=HV, K=K, BT=BT, IS_VARLEN=common['IS_VARLEN'],
         **gate_launch_args(gate), **cfg)
     dA_log = ddt_bias = None

@@ -21,11 +21,11 @@ FLOAT32 = frozenset({'g', 'rq', 'rk', 'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', '
                      'h0', 'ht', 'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias', 'dA_log', 'ddt_bias'})
 # Arguments a launch may pass as None (inverse norms of q and k, varlen tensors, states, the
 # gate's parameters).
-OPTIONAL = frozenset({'rq', 'rk', 'cu_seqlens', 'chunk_indices', 'chunk_offsets', 'seq_order', 'h0', 'ht',
+OPTIONAL = frozenset({'rq', 'rk', 'cu_seqlens', 'chunk_rows', 'chunk_offsets', 'seq_order', 'h0', 'ht',
                       'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias'})
 # Integer tensors: the chunk map the launcher builds, and cu_seqlens in the caller's dtype (int64 in
 # the README's example and the benchmark).
-INTEGERS = {'cu_seqlens': '*i64', 'chunk_indices': '*i32', 'chunk_offsets': '*i32', 'seq_order': '*i32'}
+INTEGERS = {'cu_seqlens': '*i64', 'chunk_rows': '*i32', 'chunk_offsets': '*i32', 'seq_order': '*i32'}
 SCALARS = {'T': 'i32', 'NT': 'i32', 'C': 'i32', 'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32',
            'lower_bound': 'fp32'}
 POINTERS = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}
