@@ -628,7 +628,7 @@ def test_transposed_sweeps(monkeypatch, case):
 
 def test_forward_segments(monkeypatch):
     """Where the forward runs in time segments (``forward_segments``): only one fixed-length
-    sequence whose fused sweep has fewer programs than SMs, never with ``store_states``; the
+    sequence whose fused sweep has fewer programs than two an SM, never with ``store_states``; the
     segments are whole chunks, cover the sequence in order, and shrink (never grow) where the
     sweep is the shorter part (many heads), equal otherwise; not for short sequences, whose time
     the host's launches would set (SEGMENT_MIN_TOKEN_HEADS, lifted for the shape checks)."""
@@ -658,6 +658,13 @@ def test_forward_segments(monkeypatch):
     assert segments(1, 4096, 4, varlen=True) is None
     assert segments(1, 4096, 4, store=True) is None
     assert segments(1, 4096, 4, few=False) is None     # the sweep fills the GPU
+    # Between one program for every two SMs and two an SM: 2 segments (64-wide slices: 2 programs
+    # a head; 132 SMs as on the H200).
+    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 132)
+    layout = chunk_mod.chunk_layout(1, 8192, 64, None, None)
+    for HV, count in ((32, 4), (33, 4), (34, 2), (96, 2), (131, 2), (132, None)):
+        seg = chunk_mod.forward_segments(1, 8192, HV, 128, 128, layout, None, False, cpu)
+        assert (None if seg is None else len(seg)) == count, (HV, seg)
 
 
 @requires_kernels
@@ -780,6 +787,23 @@ def test_chunk_layout_varlen(dtype):
     assert all(t.dtype == torch.int32 for t in (layout.rows, layout.offsets, layout.order))
     fixed = chunk_mod.chunk_layout(2, 130, 64, None, None)
     assert (fixed.NT, fixed.total, fixed.rows, fixed.order) == (3, 6, None, None)
+
+
+def test_chunk_layout_reused():
+    """The last varlen map is returned again for the same host offsets and chunk size, and only
+    then: other offsets, another chunk size or the same values in a new tensor (kept: the map
+    depends on the values only) give the map of what was asked."""
+    offsets = [0, 70, 70, 71, 200, 264]
+    cu = torch.tensor(offsets, dtype=torch.int32).to(KDEV)
+    first = chunk_mod.chunk_layout(1, 264, 64, offsets, cu)
+    assert chunk_mod.chunk_layout(1, 264, 64, list(offsets), cu.clone()) is first
+    moved = [0, 70, 71, 72, 200, 264]
+    cu.copy_(torch.tensor(moved, dtype=torch.int32))
+    layout = chunk_mod.chunk_layout(1, 264, 64, moved, cu)
+    assert layout.rows.tolist() == [[0, 64], [64, 6], [70, 1], [71, 1], [72, 64], [136, 64], [200, 64]]
+    assert layout.offsets.tolist() == [0, 2, 3, 4, 6, 7]
+    other = chunk_mod.chunk_layout(1, 264, 32, moved, cu)
+    assert other.BT == 32 and other.total == 11 and other.rows[:3].tolist() == [[0, 32], [32, 32], [64, 6]]
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16, torch.float32])

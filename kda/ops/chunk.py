@@ -53,16 +53,42 @@ class ChunkLayout:
     order: torch.Tensor | None
 
 
+# The last varlen chunk map built and its key (see chunk_layout).
+_last_varlen_layout: tuple | None = None
+
+
 def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
                  cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     """The chunk map; for varlen built on ``cu_seqlens``' device from it (``seq_offsets`` is its
     host copy, which gives the sizes). Device operations, not a host-built table copied over: a
     copy from pageable host memory waits for the GPU to drain first, and the kernels launched
     after it then start one by one behind the host (H200, the benchmark's varlen batch: 0.23 ms
-    of idle GPU in a 3.65 ms forward)."""
+    of idle GPU in a 3.65 ms forward).
+
+    A model calls every layer with the same sequence bounds, and building the map takes ~20 small
+    kernels (~0.035 ms on the H200 for the benchmark's varlen batch): the last varlen map is kept
+    and returned again for the same host offsets, chunk size, device and stream. The map is a
+    function of those alone: ``cu_seqlens`` holds the host offsets' values (read from it, or
+    ``cu_seqlens_cpu``, which must match it, API.md). Same stream: a map built on another one
+    might not be written yet. Not kept from inside a CUDA graph capture, whose kernels write it
+    only when the graph replays."""
+    global _last_varlen_layout
     if seq_offsets is None:
         NT = cdiv(T, BT)
         return ChunkLayout(BT, NT, B * NT, None, None, None)
+    stream = torch.cuda.current_stream(cu_seqlens.device) if cu_seqlens.is_cuda else None
+    key = (cu_seqlens.device, stream, BT, tuple(seq_offsets))
+    last = _last_varlen_layout
+    if last is not None and last[0] == key:
+        return last[1]
+    layout = varlen_chunk_layout(BT, seq_offsets, cu_seqlens)
+    if stream is None or not torch.cuda.is_current_stream_capturing():
+        _last_varlen_layout = (key, layout)
+    return layout
+
+
+def varlen_chunk_layout(BT: int, seq_offsets: list[int], cu_seqlens: torch.Tensor) -> ChunkLayout:
+    """``chunk_layout``'s varlen map, built anew."""
     total = sum(cdiv(e - s, BT) for s, e in zip(seq_offsets, seq_offsets[1:]))
     cu = cu_seqlens.long()
     counts = (cu[1:] - cu[:-1] + BT - 1) // BT
@@ -206,10 +232,16 @@ def launch_config(stage: str, K: int, V: int) -> dict:
     return cfg
 
 
+def sweep_programs(stage: str, K: int, V: int, sequence_heads: int) -> int:
+    """Programs of a state sweep over ``sequence_heads`` (sequence, value head) pairs at TUNING's
+    value slices."""
+    return sequence_heads * cdiv(V, launch_config(stage, K, V)['BV'])
+
+
 def few_programs(stage: str, K: int, V: int, sequence_heads: int, device) -> bool:
     """Whether a state sweep over ``sequence_heads`` (sequence, value head) pairs, at TUNING's
     value slices, has fewer programs than the device has SMs (FEW_PROGRAMS)."""
-    return sequence_heads * cdiv(V, launch_config(stage, K, V)['BV']) < sm_count(device)
+    return sweep_programs(stage, K, V, sequence_heads) < sm_count(device)
 
 
 def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
@@ -376,7 +408,8 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     return s1
 
 
-# The forward in time segments (forward_segments): how many; see SEGMENT_BALANCE for their lengths.
+# The forward in time segments (forward_segments): how many where the sweep has at most one
+# program for every two SMs; see SEGMENT_BALANCE for their lengths.
 FORWARD_SEGMENTS = 4
 # Value heads at which a K = V = 128 sweep over the whole sequence takes as long as stage 1 for it
 # (H200: a chunk step of the few-program sweep ~3 us, 1.58 ms at (1, 32768, 32); stage 1 ~2.2 ns a
@@ -399,9 +432,11 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     """Token ranges ``[t0, t1)`` (whole chunks) in which ``chunk_kda_fwd`` runs stage 1 and the
     fused sweep one after the other, so that each segment's sweep runs beside the next
     segment's stage 1; None for one pass over the whole sequence. Segmented only where the sweep
-    leaves SMs idle (fewer programs than SMs, FEW_PROGRAMS) and a segment is a contiguous view of
+    leaves SMs room (fewer programs, at TUNING's value slices, than two an SM: two of its
+    255-register, 4-warp programs fill an SM's registers) and a segment is a contiguous view of
     every tensor: one sequence of fixed length (B = 1), without ``store_states``, long enough
-    (``SEGMENT_MIN_TOKEN_HEADS``) that the GPU, not the host, sets the time.
+    (``SEGMENT_MIN_TOKEN_HEADS``) that the GPU, not the host, sets the time. FORWARD_SEGMENTS
+    segments where the sweep has at most one program for every two SMs, else 2.
 
     The first segment's stage 1 runs alone, at full speed; each later one beside the previous
     segment's sweep, which slows both; the last segment's sweep runs alone at the end. Where the
@@ -415,13 +450,18 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     5.154, 4.407 equal, 4.561 by 0.7, 4.700 by 0.6; (1, 16384, 64), whose halved slices give
     two sweep programs an SM, 3.372 whole, 3.327 by 0.6. A lighter sweep beside stage 1 loses:
     at (1, 32768, 32), 3.331 against 4.045 capped at 168 registers, 4.526 at 128, 4.186 with
-    2 warps (stage 1's pair products 1.58 -> 1.29-1.36 ms, the sweeps 1.87 -> 2.60-3.15)."""
+    2 warps (stage 1's pair products 1.58 -> 1.29-1.36 ms, the sweeps 1.87 -> 2.60-3.15).
+    Nineteenth session (forced, one run each; whole / 2 / 3 / 4 segments by 0.6, g pre-computed
+    and Kimi gate): (1, 8192, 96), 192 programs, 1.925 / 1.813 / 1.799 / 1.804 and 1.952 / 1.923 /
+    1.940 / 1.972 (it was left whole before); (1, 16384, 64), 128 programs with 64-wide slices,
+    2.638 / 2.583 / 2.617 / 2.647 and 2.661 / 2.555 / 2.574 / 2.594 (it had 4 segments)."""
     if (cu_seqlens is not None or B != 1 or store_states or layout.NT < 2
             or T * HV < SEGMENT_MIN_TOKEN_HEADS):
         return None
-    if not few_programs('state_output', K, V, HV, device):
+    programs, sms = sweep_programs('state_output', K, V, HV), sm_count(device)
+    if programs >= 2 * sms:
         return None
-    S = min(FORWARD_SEGMENTS, layout.NT)
+    S = min(FORWARD_SEGMENTS if 2 * programs <= sms else 2, layout.NT)
     ratio = min(1.0, max(0.6, SEGMENT_BALANCE / HV))
     weights = [ratio ** i for i in range(S)]
     # Whole chunks a segment: one each, the others shared by weight, rounded down, what rounding
