@@ -658,23 +658,27 @@ def test_forward_segments(monkeypatch):
     assert segments(1, 4096, 4, varlen=True) is None
     assert segments(1, 4096, 4, store=True) is None
     assert segments(1, 4096, 4, few=False) is None     # the sweep fills the GPU
-    # Between one program for every two SMs and two an SM: 2 segments (64-wide slices: 2 programs
-    # a head; 132 SMs as on the H200).
+    # Between one program for every two SMs and two an SM: BUSY_SWEEP_SEGMENTS (64-wide slices:
+    # 2 programs a head; 132 SMs as on the H200).
     monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 132)
     layout = chunk_mod.chunk_layout(1, 8192, 64, None, None)
-    for HV, count in ((32, 4), (33, 4), (34, 2), (96, 2), (131, 2), (132, None)):
+    busy = chunk_mod.BUSY_SWEEP_SEGMENTS
+    for HV, count in ((32, 4), (33, 4), (34, busy), (96, busy), (131, busy), (132, None)):
         seg = chunk_mod.forward_segments(1, 8192, HV, 128, 128, layout, None, False, cpu)
         assert (None if seg is None else len(seg)) == count, (HV, seg)
 
 
 @requires_kernels
-@pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference'])
+@pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference',
+                                  'T200-gate-busy'])
 def test_segmented_forward(monkeypatch, case):
     """The forward in time segments (forced by claiming a huge GPU, at a length the launcher would
     leave whole): outputs, final state and every gradient bit for bit those of the forward in one
     pass, which the other tests check against float64 (the same chunk steps, the state handed from
     segment to segment in float32). 'gate-nofinal-inference': the Kimi gate activated in the first
-    kernel, no final state (the last segment stores none), under no_grad."""
+    kernel, no final state (the last segment stores none), under no_grad. 'busy': a GPU of 4 SMs,
+    which the sweep's 4 programs (4 heads, one value slice) leave busy (``busy_sweep``): the
+    cumsum runs for the whole sequence first, then 3 segments."""
     T = int(case.split('-')[0][1:])
     dtype = torch.float32 if 'fp32' in case else torch.float16
     vfirst, with_h0, final = 'vfirst' in case, 'noh0' not in case, 'nofinal' not in case
@@ -683,7 +687,8 @@ def test_segmented_forward(monkeypatch, case):
         opts.update(use_gate_in_kernel=True, A_log=torch.log(1 + 15 * torch.rand(4)).to(KDEV),
                     dt_bias=(0.1 * torch.randn(4 * 32)).to(KDEV), safe_gate=True, lower_bound=-5.0,
                     use_beta_sigmoid_in_kernel=True)
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+    busy = 'busy' in case
+    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 4 if busy else 10 ** 6)
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     x = make_inputs(1, T, 2, 4, 32, 48, dtype=dtype, device=KDEV)
     h0 = make_state(1, 4, 32, 48, state_v_first=vfirst, device=KDEV) if with_h0 else None
@@ -705,7 +710,8 @@ def test_segmented_forward(monkeypatch, case):
         return [o, ht] + [t.grad for t in (*leaves.values(), state) if t is not None]
 
     got = run()
-    assert seen[-1] is not None and len(seen[-1]) == min(4, -(-T // 64)), seen
+    assert chunk_mod.busy_sweep(4, 32, 48, KDEV) == busy
+    assert seen[-1] is not None and len(seen[-1]) == min(3 if busy else 4, -(-T // 64)), seen
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
     for name, a, b in zip(['o', 'ht', *x, 'h0'], got, run()):
         assert torch.equal(a, b), name

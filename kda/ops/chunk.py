@@ -383,18 +383,36 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     load them (inference with ``use_qk_l2norm_in_kernel``; no call with ``matrices`` reads q or
     k raw)."""
     B, T, H, K = q.shape
+    s1 = out if out is not None else stage1_buffers(B, T, HV, K, layout.BT, q.device, q.dtype,
+                                                    matrices is None)
+    stage1_cumsum(q, k, g, scale, cu_seqlens, layout, gate, HV, s1, decayed=matrices is not None)
+    if matrices is not None:
+        return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
+    return stage1_matrices(q, k, beta, scale, cu_seqlens, layout, HV, s1, norms)
+
+
+def stage1_cumsum(q, k, g, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None, HV: int,
+                  s1: Stage1, decayed: bool):
+    """Stage 1's first kernel into ``s1``: the cumulative decay, and with ``decayed`` (the
+    backward's recompute) the decayed keys and queries (``chunk_stage1``)."""
+    B, T, H, K = q.shape
+    cfg = launch_config('cumsum' if gate is None else 'cumsum_raw', K, K)
+    # The decayed keys and queries come from the pair products when those run (the forward).
+    chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
+        g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K,
+        BT=layout.BT, DECAYED=decayed, IS_VARLEN=cu_seqlens is not None, chunk_rows=layout.rows,
+        T=T, NT=layout.NT, **gate_launch_args(gate), **cfg)
+
+
+def stage1_matrices(q, k, beta, scale, cu_seqlens, layout: ChunkLayout, HV: int, s1: Stage1,
+                    norms=None) -> Stage1:
+    """The rest of the forward's stage 1 into ``s1``, on its cumulative decay: the pair products
+    (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``)."""
+    B, T, H, K = q.shape
     BT = layout.BT
     dt = q.dtype
     is_varlen = cu_seqlens is not None
     chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT)
-    s1 = out if out is not None else stage1_buffers(B, T, HV, K, BT, q.device, dt, matrices is None)
-    cfg = launch_config('cumsum' if gate is None else 'cumsum_raw', K, K)
-    # The decayed keys and queries come from the pair products when those run (the forward).
-    chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
-        g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
-        DECAYED=matrices is not None, IS_VARLEN=is_varlen, **gate_launch_args(gate), **chunks, **cfg)
-    if matrices is not None:
-        return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
     rq, rk = (None, None) if norms is None else norms
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, rq, rk, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
@@ -409,8 +427,10 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
 
 
 # The forward in time segments (forward_segments): how many where the sweep has at most one
-# program for every two SMs; see SEGMENT_BALANCE for their lengths.
+# program for every two SMs, and how many where it has more (but fewer than two an SM, see
+# busy_sweep); see SEGMENT_BALANCE for their lengths.
 FORWARD_SEGMENTS = 4
+BUSY_SWEEP_SEGMENTS = 3
 # Value heads at which a K = V = 128 sweep over the whole sequence takes as long as stage 1 for it
 # (H200: a chunk step of the few-program sweep ~3 us, 1.58 ms at (1, 32768, 32); stage 1 ~2.2 ns a
 # token-head, 2.34 ms there; so 3 us / 64 tokens / 2.2 ns ~ 21 heads, the first setting, 20).
@@ -427,6 +447,13 @@ SEGMENT_BALANCE = 30
 SEGMENT_MIN_TOKEN_HEADS = 1 << 19
 
 
+def busy_sweep(HV: int, K: int, V: int, device) -> bool:
+    """Whether the fused sweep over one sequence's ``HV`` heads has more than one program for
+    every two SMs (at TUNING's value slices). Segmented, such a forward runs stage 1's cumsum for
+    the whole sequence first, alone, and fewer segments (``forward_segments``)."""
+    return 2 * sweep_programs('state_output', K, V, HV) > sm_count(device)
+
+
 def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayout, cu_seqlens,
                      store_states: bool, device) -> list[tuple[int, int]] | None:
     """Token ranges ``[t0, t1)`` (whole chunks) in which ``chunk_kda_fwd`` runs stage 1 and the
@@ -436,7 +463,8 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     255-register, 4-warp programs fill an SM's registers) and a segment is a contiguous view of
     every tensor: one sequence of fixed length (B = 1), without ``store_states``, long enough
     (``SEGMENT_MIN_TOKEN_HEADS``) that the GPU, not the host, sets the time. FORWARD_SEGMENTS
-    segments where the sweep has at most one program for every two SMs, else 2.
+    segments where the sweep has at most one program for every two SMs, else BUSY_SWEEP_SEGMENTS
+    (``busy_sweep``).
 
     The first segment's stage 1 runs alone, at full speed; each later one beside the previous
     segment's sweep, which slows both; the last segment's sweep runs alone at the end. Where the
@@ -454,14 +482,17 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     Nineteenth session (forced, one run each; whole / 2 / 3 / 4 segments by 0.6, g pre-computed
     and Kimi gate): (1, 8192, 96), 192 programs, 1.925 / 1.813 / 1.799 / 1.804 and 1.952 / 1.923 /
     1.940 / 1.972 (it was left whole before); (1, 16384, 64), 128 programs with 64-wide slices,
-    2.638 / 2.583 / 2.617 / 2.647 and 2.661 / 2.555 / 2.574 / 2.594 (it had 4 segments)."""
+    2.638 / 2.583 / 2.617 / 2.647 and 2.661 / 2.555 / 2.574 / 2.594 (it had 4 segments). With the
+    cumsum of the whole sequence first (``chunk_kda_fwd``): (1, 8192, 96) 1.927 / 1.857 / 1.791
+    and 1.955 / 1.871 / 1.816 (3 by 0.8: 1.798, 1.821), but (1, 32768, 32), 64 programs, 4
+    segments: 2.697 -> 2.862 and 2.652 -> 2.802, the sweeps starting later (A/B, 2 rounds)."""
     if (cu_seqlens is not None or B != 1 or store_states or layout.NT < 2
             or T * HV < SEGMENT_MIN_TOKEN_HEADS):
         return None
     programs, sms = sweep_programs('state_output', K, V, HV), sm_count(device)
     if programs >= 2 * sms:
         return None
-    S = min(FORWARD_SEGMENTS if 2 * programs <= sms else 2, layout.NT)
+    S = min(BUSY_SWEEP_SEGMENTS if busy_sweep(HV, K, V, device) else FORWARD_SEGMENTS, layout.NT)
     ratio = min(1.0, max(0.6, SEGMENT_BALANCE / HV))
     weights = [ratio ** i for i in range(S)]
     # Whole chunks a segment: one each, the others shared by weight, rounded down, what rounding
@@ -516,6 +547,13 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         sweep(s1, slice(0, T), layout, initial_state, final_state)
         return o, final_state, s1, h
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
+    cumsum_first = busy_sweep(HV, K, V, dev)
+    if cumsum_first:
+        # The cumulative decay of every segment first, alone: beside a sweep the raw gate's build
+        # slowed most (H200, (1, 8192, 96), 2 segments: Kimi forward 1.923 ms against 1.813 with
+        # g pre-computed; whole 1.952 / 1.925). With few sweep programs the sweeps set the time
+        # and must start early: there it costs ~0.15 ms (forward_segments).
+        stage1_cumsum(q, k, g, scale, None, layout, gate, HV, s1, decayed=False)
     carried = torch.empty(shape, dtype=torch.float32, device=dev)
     side = None
     try:
@@ -523,9 +561,13 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             part = slice(t0, t1)
             part_layout = chunk_layout(B, t1 - t0, layout.BT, None, None)
             s1_part = s1.tokens(part)
-            chunk_stage1(q[:, part], k[:, part], g[:, part], beta[:, part], scale, None, part_layout,
-                         gate, HV, out=s1_part,
-                         norms=None if norms is None else tuple(r[:, part] for r in norms))
+            part_norms = None if norms is None else tuple(r[:, part] for r in norms)
+            if cumsum_first:
+                stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, None, part_layout, HV,
+                                s1_part, part_norms)
+            else:
+                chunk_stage1(q[:, part], k[:, part], g[:, part], beta[:, part], scale, None,
+                             part_layout, gate, HV, out=s1_part, norms=part_norms)
             side = fork(dev)
             with torch.cuda.stream(side):
                 sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
