@@ -670,7 +670,7 @@ def test_forward_segments(monkeypatch):
 
 @requires_kernels
 @pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference',
-                                  'T200-gate-busy'])
+                                  'T100-BT32-gate-busy'])
 def test_segmented_forward(monkeypatch, case):
     """The forward in time segments (forced by claiming a huge GPU, at a length the launcher would
     leave whole): outputs, final state and every gradient bit for bit those of the forward in one
@@ -678,8 +678,10 @@ def test_segmented_forward(monkeypatch, case):
     segment to segment in float32). 'gate-nofinal-inference': the Kimi gate activated in the first
     kernel, no final state (the last segment stores none), under no_grad. 'busy': a GPU of 4 SMs,
     which the sweep's 4 programs (4 heads, one value slice) leave busy (``busy_sweep``): the
-    cumsum runs for the whole sequence first, then 3 segments."""
+    cumsum runs for the whole sequence first, then 3 segments (32-token chunks: half the
+    interpreter's time)."""
     T = int(case.split('-')[0][1:])
+    BT = 32 if 'BT32' in case else 64
     dtype = torch.float32 if 'fp32' in case else torch.float16
     vfirst, with_h0, final = 'vfirst' in case, 'noh0' not in case, 'nofinal' not in case
     opts = dict(use_qk_l2norm_in_kernel=True)
@@ -692,26 +694,35 @@ def test_segmented_forward(monkeypatch, case):
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     x = make_inputs(1, T, 2, 4, 32, 48, dtype=dtype, device=KDEV)
     h0 = make_state(1, 4, 32, 48, state_v_first=vfirst, device=KDEV) if with_h0 else None
-    seen = []
+    seen, cumsums, matrices = [], [], []
     segments = chunk_mod.forward_segments
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: seen.append(segments(*a)) or seen[-1])
+    cumsum, rest = chunk_mod.stage1_cumsum, chunk_mod.stage1_matrices
+    monkeypatch.setattr(chunk_mod, 'stage1_cumsum',
+                        lambda q, *a, decayed: cumsums.append((q.shape[1], decayed)) or cumsum(q, *a, decayed=decayed))
+    monkeypatch.setattr(chunk_mod, 'stage1_matrices', lambda q, *a: matrices.append(q.shape[1]) or rest(q, *a))
 
     def run():
         if not final:
             with torch.no_grad():
-                o, ht = chunk_kda(**x, initial_state=h0, state_v_first=vfirst, **opts)
+                o, ht = chunk_kda(**x, initial_state=h0, state_v_first=vfirst, chunk_size=BT, **opts)
             assert ht is None
             return [o]
         leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
         state = None if h0 is None else h0.clone().requires_grad_()
         o, ht = chunk_kda(**leaves, initial_state=state, output_final_state=True, state_v_first=vfirst,
-                          **opts)
+                          chunk_size=BT, **opts)
         (o.float().sin().sum() + ht.cos().sum()).backward()
         return [o, ht] + [t.grad for t in (*leaves.values(), state) if t is not None]
 
     got = run()
     assert chunk_mod.busy_sweep(4, 32, 48, KDEV) == busy
-    assert seen[-1] is not None and len(seen[-1]) == min(3 if busy else 4, -(-T // 64)), seen
+    assert seen[-1] is not None and len(seen[-1]) == min(3 if busy else 4, -(-T // BT)), seen
+    # The forward's cumsum: once over the whole sequence first with a busy sweep, else one a
+    # segment; the pair products and the solve one a segment (the backward's recompute: whole).
+    lengths = [t1 - t0 for t0, t1 in seen[-1]]
+    assert [n for n, decayed in cumsums if not decayed] == ([T] if busy else lengths), cumsums
+    assert matrices == lengths, matrices
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
     for name, a, b in zip(['o', 'ht', *x, 'h0'], got, run()):
         assert torch.equal(a, b), name
@@ -779,11 +790,12 @@ def test_gate_param_grad_sums(present, BN):
 
 
 @pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
-def test_chunk_layout_varlen(dtype):
+def test_chunk_layout_varlen(monkeypatch, dtype):
     """The varlen chunk map: (first row, valid rows) per global chunk, each sequence's first chunk, and
     the sweeps' start order, most chunks first with ties in sequence order. A wrong order is not
     caught by the numerical tests when it is a permutation (every sequence still runs), so the
     order itself is pinned here."""
+    monkeypatch.setattr(chunk_mod, '_last_varlen_layout', None)   # built from this dtype
     offsets = [0, 70, 70, 71, 200, 264]          # lengths 70, 0, 1, 129, 64 -> chunks 2, 0, 1, 3, 1
     layout = chunk_mod.chunk_layout(1, 264, 64, offsets, torch.tensor(offsets, dtype=dtype).to(KDEV))
     assert (layout.BT, layout.NT, layout.total) == (64, 0, 7)
@@ -1596,13 +1608,18 @@ def test_cuda_backward_on_a_user_stream():
 
 
 @requires_cuda
-def test_cuda_segmented_forward_on_a_user_stream(monkeypatch):
+@pytest.mark.parametrize('busy', [False, True])
+def test_cuda_segmented_forward_on_a_user_stream(monkeypatch, busy):
     """One sequence with few sweep programs (B = 1, HV = 4, K = V = 128, bf16): the forward runs
     in time segments, each sweep on a side stream beside the next segment's stage 1. Its outputs
     and final state are the one-pass forward's bit for bit, also when called from a stream of the
     caller's whose memory is reused right after. (Segmented at this length, which the launcher
-    leaves whole, SEGMENT_MIN_TOKEN_HEADS.)"""
+    leaves whole, SEGMENT_MIN_TOKEN_HEADS.) 'busy': 12 SMs claimed, which the sweep's 8 programs
+    leave busy: the cumsum over the whole sequence first, then 3 segments."""
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    if busy:
+        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 12)
+    assert chunk_mod.busy_sweep(4, 128, 128, torch.device('cuda')) == busy
     x = make_inputs(1, 3000, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda')
     h0 = make_state(1, 4, 128, 128, device='cuda')
 
@@ -1620,13 +1637,17 @@ def test_cuda_segmented_forward_on_a_user_stream(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize('mode', ['forward', 'training'])
+@pytest.mark.parametrize('mode', ['forward', 'training', 'forward-busy'])
 def test_cuda_graph_capture(monkeypatch, mode):
     """Few programs (B = 1, HV = 4): the forward in time segments (at a length the launcher would
     leave whole, SEGMENT_MIN_TOKEN_HEADS) and the backward's forked carry both launch on a side
     stream. Captured in a CUDA graph (a forward under no_grad, or a whole forward + backward) and
-    replayed after new inputs are copied in, the results equal the eager ones bit for bit."""
+    replayed after new inputs are copied in, the results equal the eager ones bit for bit.
+    'busy': 12 SMs claimed (``busy_sweep``: the cumsum over the whole sequence first)."""
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    if mode.endswith('busy'):
+        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 12)
+        mode = mode.removesuffix('-busy')
     T, H, K, V = 1500, 4, 128, 128
     layout = chunk_mod.chunk_layout(1, T, 64, None, None)
     assert chunk_mod.forward_segments(1, T, H, K, V, layout, None, False, torch.device('cuda')) is not None
@@ -1668,6 +1689,39 @@ def test_cuda_graph_capture(monkeypatch, mode):
         eager = step({n: t.clone().requires_grad_() for n, t in new.items()}, h0.clone().requires_grad_())
         for i, (a, b) in enumerate(zip(captured, eager)):
             assert torch.equal(a, b), f"trial {trial}: output {i} of the replay differs from eager"
+
+
+@requires_cuda
+def test_cuda_graph_capture_varlen_map():
+    """A varlen forward captured in a CUDA graph on the stream where an eager call with the same
+    bounds just ran (which keeps its chunk map, ``chunk_layout``): the capture builds a map of its
+    own, so an eager call with other bounds (which replaces the kept map and frees it) and memory
+    overwritten after it leave the replay's outputs those of the eager call."""
+    T, H = 1500, 4
+    x = make_inputs(1, T, H, H, 64, 64, dtype=torch.bfloat16, device='cuda')
+    cu, other = torch.tensor([0, 300, 1300, 1500]), torch.tensor([0, 700, 1500])
+    cu_dev, other_dev = cu.cuda(), other.cuda()
+
+    def forward(bounds, bounds_dev):
+        # cu_seqlens_cpu: no read-back of the bounds (a sync, which a capture refuses).
+        with torch.no_grad():
+            return chunk_kda(**x, cu_seqlens=bounds_dev, cu_seqlens_cpu=bounds, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = forward(cu, cu_dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = forward(cu, cu_dev)
+    torch.cuda.current_stream().wait_stream(stream)
+    forward(other, other_dev)
+    torch.full((64 << 20,), -1, dtype=torch.int32, device='cuda')
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
 
 
 def check_kimi_gate_gradients(dtype, B, T, H, K, V, device):

@@ -2,9 +2,9 @@
 
 Forward: stage 1 (``kernels/chunk_intra.py``: cumulative decay, decayed keys and queries, the
 in-chunk matrices and M), then one sweep over the chunks that carries the state and forms the
-outputs, applying M inside (``kernels/chunk_state_output.py``); for one long sequence with few
-sweep programs, both in time segments, each segment's sweep beside the next segment's stage 1
-(``forward_segments``). Backward recomputes stage 1's
+outputs, applying M inside (``kernels/chunk_state_output.py``); for one long sequence whose
+sweep leaves SMs room, both in time segments, each segment's sweep beside the next segment's
+stage 1 (``forward_segments``). Backward recomputes stage 1's
 per-token tensors from the saved inputs and keeps the forward's in-chunk matrices Aqk, A' and M
 (``[B, T, HV, BT]`` each; nothing ``[.., K]``- or state-sized is kept between forward and backward
 unless ``disable_recompute=True``); it carries the state again, storing every chunk's state and
@@ -70,20 +70,22 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
     and returned again for the same host offsets, chunk size, device and stream. The map is a
     function of those alone: ``cu_seqlens`` holds the host offsets' values (read from it, or
     ``cu_seqlens_cpu``, which must match it, API.md). Same stream: a map built on another one
-    might not be written yet. Not kept from inside a CUDA graph capture, whose kernels write it
-    only when the graph replays."""
+    might not be written yet. Neither kept nor reused inside a CUDA graph capture or a
+    ``torch.compile`` trace: a captured map is written only when the graph replays, and a graph
+    must own the memory it reads (a kept map is freed when the next one replaces it)."""
     global _last_varlen_layout
     if seq_offsets is None:
         NT = cdiv(T, BT)
         return ChunkLayout(BT, NT, B * NT, None, None, None)
+    if (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling():
+        return varlen_chunk_layout(BT, seq_offsets, cu_seqlens)
     stream = torch.cuda.current_stream(cu_seqlens.device) if cu_seqlens.is_cuda else None
     key = (cu_seqlens.device, stream, BT, tuple(seq_offsets))
     last = _last_varlen_layout
     if last is not None and last[0] == key:
         return last[1]
     layout = varlen_chunk_layout(BT, seq_offsets, cu_seqlens)
-    if stream is None or not torch.cuda.is_current_stream_capturing():
-        _last_varlen_layout = (key, layout)
+    _last_varlen_layout = (key, layout)
     return layout
 
 
@@ -100,7 +102,9 @@ def varlen_chunk_layout(BT: int, seq_offsets: list[int], cu_seqlens: torch.Tenso
     rows = torch.stack([first, torch.clamp(cu[seq + 1] - first, max=BT)], 1)
     # Stable: sequences of as many chunks keep their order.
     order = torch.sort(counts, descending=True, stable=True).indices
-    return ChunkLayout(BT, 0, total, rows.int(), offsets.int(), order.int())
+    # First rows past int32 stay int64 (the kernels load either).
+    rows = rows.int() if seq_offsets[-1] < 2 ** 31 else rows
+    return ChunkLayout(BT, 0, total, rows, offsets.int(), order.int())
 
 
 # Launch configuration of each chunk kernel: block sizes (capped by the head dims at launch) and
@@ -395,7 +399,7 @@ def stage1_cumsum(q, k, g, scale, cu_seqlens, layout: ChunkLayout, gate: KernelG
                   s1: Stage1, decayed: bool):
     """Stage 1's first kernel into ``s1``: the cumulative decay, and with ``decayed`` (the
     backward's recompute) the decayed keys and queries (``chunk_stage1``)."""
-    B, T, H, K = q.shape
+    _, T, H, K = q.shape
     cfg = launch_config('cumsum' if gate is None else 'cumsum_raw', K, K)
     # The decayed keys and queries come from the pair products when those run (the forward).
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
@@ -408,7 +412,7 @@ def stage1_matrices(q, k, beta, scale, cu_seqlens, layout: ChunkLayout, HV: int,
                     norms=None) -> Stage1:
     """The rest of the forward's stage 1 into ``s1``, on its cumulative decay: the pair products
     (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``)."""
-    B, T, H, K = q.shape
+    _, T, H, K = q.shape
     BT = layout.BT
     dt = q.dtype
     is_varlen = cu_seqlens is not None
@@ -516,7 +520,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
     current stream forms the next segment's stage 1: the few-program sweep leaves most of every
-    SM to stage 1's kernels. The same steps on the same chunks, so the same bits. H200, at
+    SM to stage 1's kernels. Where the sweep is busier (``busy_sweep``) the cumsum runs for the
+    whole sequence first and each segment forms only its pair products and M. The same steps
+    on the same chunks, so the same bits. H200, at
     04208c2, (1, 32768, 32), 4 segments shrinking by 0.6: forward 3.904 -> 3.348 ms (stage 1's pair
     products 1.05 -> 1.58 ms beside the sweeps, which take 1.86 against 1.58), forward + backward
     15.06 -> 14.56 ms. Not segmented: several sequences (their segments would not be contiguous
