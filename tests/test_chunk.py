@@ -669,7 +669,7 @@ def test_forward_segments(monkeypatch):
 
 
 @requires_kernels
-@pytest.mark.parametrize('case', ['T200-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference',
+@pytest.mark.parametrize('case', ['T100-BT32-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference',
                                   'T100-BT32-gate-busy'])
 def test_segmented_forward(monkeypatch, case):
     """The forward in time segments (forced by claiming a huge GPU, at a length the launcher would
@@ -678,8 +678,8 @@ def test_segmented_forward(monkeypatch, case):
     segment to segment in float32). 'gate-nofinal-inference': the Kimi gate activated in the first
     kernel, no final state (the last segment stores none), under no_grad. 'busy': a GPU of 4 SMs,
     which the sweep's 4 programs (4 heads, one value slice) leave busy (``busy_sweep``): the
-    cumsum runs for the whole sequence first, then 3 segments (32-token chunks: half the
-    interpreter's time)."""
+    cumsum runs for the whole sequence first, then 3 segments. 'BT32': 32-token chunks, half the
+    interpreter's time for as many chunks."""
     T = int(case.split('-')[0][1:])
     BT = 32 if 'BT32' in case else 64
     dtype = torch.float32 if 'fp32' in case else torch.float16
