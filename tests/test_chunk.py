@@ -435,7 +435,7 @@ def test_forward_decayed_keys_and_queries(chunk_size, lengths, H, HV, K, dtype):
         out = chunk_mod.stage1_buffers(1, T, HV, K, chunk_size, KDEV, dtype, matrices is None)
         for t in (out.gc, out.qt, out.kbar, out.kg):
             t.fill_(float('nan'))
-        return chunk_mod.chunk_stage1(q, k, g, beta, 0.3, cu.to(KDEV), layout, None, HV, matrices, out=out)
+        return chunk_mod.chunk_stage1(q, k, g, beta, 0.3, layout, None, HV, matrices, out=out)
 
     fwd = stage1(None)
     rec = stage1((fwd.Aqk, fwd.Akk, fwd.Minv))
@@ -489,7 +489,7 @@ def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
     cu = lengths_to_cu(lengths).to(KDEV) if varlen else None
     layout = chunk_mod.chunk_layout(1, T, chunk_size, offsets if varlen else None, cu)
     q, kd, vd, gd, betad = (t.to(KDEV) for t in (x['q'], k, x['v'], g, beta))
-    s1 = chunk_mod.chunk_stage1(q, kd, gd, betad, 0.25, cu, layout, None, HV)
+    s1 = chunk_mod.chunk_stage1(q, kd, gd, betad, 0.25, layout, None, HV)
     saved = chunk_mod.chunk_kda_recompute(q, kd, vd, betad, None, False, cu, layout, s1)
     gc, _, Akk, Minv, kg, h, v_new = (t.double().cpu() for t in saved[:7])
     worst = far = 0.
@@ -560,7 +560,7 @@ def test_forward_diagonal_row_factor_below_normal():
     q = torch.randn(1, T, 1, K, dtype=torch.float64)
     beta = torch.rand(1, T, 1, dtype=torch.float64)
     layout = chunk_mod.chunk_layout(1, T, 32, None, None)
-    s1 = chunk_mod.chunk_stage1(*(t.float().to(KDEV) for t in (q, k, g, beta)), 1.0, None, layout,
+    s1 = chunk_mod.chunk_stage1(*(t.float().to(KDEV) for t in (q, k, g, beta)), 1.0, layout,
                                 None, 1)
     c = g[0, :, 0].cumsum(0)
     want = (k[0, 2, 0] * k[0, 1, 0] * (c[2] - c[1]).exp()).sum().item()

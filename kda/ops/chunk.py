@@ -377,7 +377,7 @@ def stage1_buffers(B: int, T: int, HV: int, K: int, BT: int, device, dtype: torc
     return Stage1(gc, qt, kbar, kg, Aqk, Akk, Minv)
 
 
-def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None,
+def chunk_stage1(q, k, g, beta, scale, layout: ChunkLayout, gate: KernelGate | None,
                  HV: int, matrices=None, out: Stage1 | None = None, norms=None) -> Stage1:
     """Cumulative decay and decayed keys / queries; with ``matrices`` (``(Aqk, Akk, Minv)`` of an
     earlier call on the same inputs) the pair products and the solve are not run again.
@@ -386,17 +386,17 @@ def chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout: ChunkLayout, gate: Ke
     ``(rq, rk)`` (``[B, T, H]``) of raw q and k, which the pair products then normalize as they
     load them (inference with ``use_qk_l2norm_in_kernel``; no call with ``matrices`` reads q or
     k raw)."""
-    B, T, H, K = q.shape
+    B, T, _, K = q.shape
     s1 = out if out is not None else stage1_buffers(B, T, HV, K, layout.BT, q.device, q.dtype,
                                                     matrices is None)
-    stage1_cumsum(q, k, g, scale, cu_seqlens, layout, gate, HV, s1, decayed=matrices is not None)
+    stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=matrices is not None)
     if matrices is not None:
         return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
-    return stage1_matrices(q, k, beta, scale, cu_seqlens, layout, HV, s1, norms)
+    return stage1_matrices(q, k, beta, scale, layout, HV, s1, norms)
 
 
-def stage1_cumsum(q, k, g, scale, cu_seqlens, layout: ChunkLayout, gate: KernelGate | None, HV: int,
-                  s1: Stage1, decayed: bool):
+def stage1_cumsum(q, k, g, scale, layout: ChunkLayout, gate: KernelGate | None, HV: int, s1: Stage1,
+                  decayed: bool):
     """Stage 1's first kernel into ``s1``: the cumulative decay, and with ``decayed`` (the
     backward's recompute) the decayed keys and queries (``chunk_stage1``)."""
     _, T, H, K = q.shape
@@ -404,18 +404,18 @@ def stage1_cumsum(q, k, g, scale, cu_seqlens, layout: ChunkLayout, gate: KernelG
     # The decayed keys and queries come from the pair products when those run (the forward).
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K,
-        BT=layout.BT, DECAYED=decayed, IS_VARLEN=cu_seqlens is not None, chunk_rows=layout.rows,
+        BT=layout.BT, DECAYED=decayed, IS_VARLEN=layout.rows is not None, chunk_rows=layout.rows,
         T=T, NT=layout.NT, **gate_launch_args(gate), **cfg)
 
 
-def stage1_matrices(q, k, beta, scale, cu_seqlens, layout: ChunkLayout, HV: int, s1: Stage1,
+def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
                     norms=None) -> Stage1:
     """The rest of the forward's stage 1 into ``s1``, on its cumulative decay: the pair products
     (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``)."""
     _, T, H, K = q.shape
     BT = layout.BT
     dt = q.dtype
-    is_varlen = cu_seqlens is not None
+    is_varlen = layout.rows is not None
     chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT)
     rq, rk = (None, None) if norms is None else norms
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
@@ -549,7 +549,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     if segments is None:
-        s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, norms=norms)
+        s1 = chunk_stage1(q, k, g, beta, scale, layout, gate, HV, norms=norms)
         sweep(s1, slice(0, T), layout, initial_state, final_state)
         return o, final_state, s1, h
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
@@ -559,7 +559,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         # slowed most (H200, (1, 8192, 96), 2 segments: Kimi forward 1.923 ms against 1.813 with
         # g pre-computed; whole 1.952 / 1.925). With few sweep programs the sweeps set the time
         # and must start early: there it costs ~0.15 ms (forward_segments).
-        stage1_cumsum(q, k, g, scale, None, layout, gate, HV, s1, decayed=False)
+        stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
     carried = torch.empty(shape, dtype=torch.float32, device=dev)
     side = None
     try:
@@ -567,13 +567,11 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             part = slice(t0, t1)
             part_layout = chunk_layout(B, t1 - t0, layout.BT, None, None)
             s1_part = s1.tokens(part)
-            part_norms = None if norms is None else tuple(r[:, part] for r in norms)
-            if cumsum_first:
-                stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, None, part_layout, HV,
-                                s1_part, part_norms)
-            else:
-                chunk_stage1(q[:, part], k[:, part], g[:, part], beta[:, part], scale, None,
-                             part_layout, gate, HV, out=s1_part, norms=part_norms)
+            if not cumsum_first:
+                stage1_cumsum(q[:, part], k[:, part], g[:, part], scale, part_layout, gate, HV, s1_part,
+                              decayed=False)
+            stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, part_layout, HV, s1_part,
+                            None if norms is None else tuple(r[:, part] for r in norms))
             side = fork(dev)
             with torch.cuda.stream(side):
                 sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
@@ -629,7 +627,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
     side = None
     try:
         if saved is None:
-            s1 = chunk_stage1(q, k, g, beta, scale, cu_seqlens, layout, gate, HV, matrices)
+            s1 = chunk_stage1(q, k, g, beta, scale, layout, gate, HV, matrices)
             # The carry and the gradient sweep below read only stage 1's tensors. With few
             # programs each leaves SMs idle for much of its time: the carry runs on a side stream
             # beside the gradient sweep (H200, (1, 32768, 32): 15.78 -> 15.07 ms a step with
@@ -748,7 +746,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         # differently, so only this keeps the gradients the same bits either way.
         ctx.saved_intermediates = None
         if disable_recompute:
-            s1 = chunk_stage1(qn, kn, g, beta, scale, cu_seqlens, layout, gate, v.shape[2],
+            s1 = chunk_stage1(qn, kn, g, beta, scale, layout, gate, v.shape[2],
                               (Aqk, Akk, Minv), out=s1)
             ctx.saved_intermediates = chunk_kda_recompute(
                 qn, kn, v, beta, initial_state, state_v_first, cu_seqlens, layout, s1)
