@@ -56,6 +56,8 @@ KERNELS = {
     'cumsum': (chunk_cumsum_kernel, dict(BK=64, GATE='none', DECAYED=False), {}, [(4, 2, 96)]),
     'cumsum_decayed': (chunk_cumsum_kernel, dict(BK=64, GATE='none', DECAYED=True), {}, [(4, 2, 96)]),
     'cumsum_gate': (chunk_cumsum_kernel, dict(BK=64, GATE='sigmoid', DECAYED=True), gated, [(4, 2, 96)]),
+    'cumsum_gate_fwd': (chunk_cumsum_kernel, dict(BK=64, GATE='sigmoid', DECAYED=False), gated,
+                        [(2, 2, None), (4, 2, 96)]),
     'cumsum_gate_no_A_log': (chunk_cumsum_kernel, dict(BK=64, GATE='softplus', DECAYED=True),
                              dict(absent=OPTIONAL - {'dt_bias'}, pointers=dict(g=bf)), [(4, 2, None)]),
     'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True), {}, [(1, 3, None), (2, 3, 128)]),

@@ -33,6 +33,7 @@ from kda.ops import chunk as chunk_ops  # noqa: E402
 
 FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd', 'state_output_few': 'state_output'}
 KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'cumsum_raw': 'chunk_cumsum_kernel',
+           'cumsum_decayed': 'chunk_cumsum_kernel', 'cumsum_raw_decayed': 'chunk_cumsum_kernel',
            'pair_fwd': 'chunk_pair_fwd_kernel',
            'solve': 'chunk_solve_kernel', 'state_fwd': 'chunk_state_fwd_kernel',
            'state_output': 'chunk_state_output_fwd_kernel', 'state_bwd': 'chunk_state_bwd_kernel',
@@ -46,12 +47,16 @@ def cfg(BK=None, BV=None, w=4, s=2, r=None):
 
 
 CANDIDATES = {
-    # One TUNING entry serves both cumsum builds: the time is the mean of the forward's (c only) and
-    # the backward recompute's (c and the decayed keys and queries) launches.
-    'cumsum': [cfg(64, None, 4, 2), cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2, 64), cfg(32, None, 4, 2, 64)],
-    # The raw gate's builds (Kimi configuration), the same two launches a step.
-    'cumsum_raw': [cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2), cfg(64, None, 8, 2), cfg(32, None, 4, 2),
-                   cfg(32, None, 2, 2), cfg(128, None, 8, 2)],
+    # The cumsum's forward build (c only) and the backward recompute's (c and the decayed keys
+    # and queries), each with a TUNING entry of its own; the time is the mean of a step's two
+    # launches of the kernel, one of them at the other entry's setting.
+    'cumsum': [cfg(64, None, 4, 2), cfg(64, None, 4, 2, 96), cfg(64, None, 2, 2), cfg(32, None, 4, 2, 64)],
+    'cumsum_decayed': [cfg(64, None, 4, 2), cfg(64, None, 4, 2, 96), cfg(64, None, 2, 2),
+                       cfg(32, None, 4, 2, 64)],
+    # The raw gate's builds (Kimi configuration).
+    'cumsum_raw': [cfg(64, None, 2, 2), cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2), cfg(128, None, 4, 2)],
+    'cumsum_raw_decayed': [cfg(64, None, 4, 2, 96), cfg(64, None, 4, 2), cfg(64, None, 8, 2), cfg(32, None, 4, 2),
+                           cfg(32, None, 2, 2), cfg(128, None, 8, 2)],
     'pair_fwd': [cfg(32, None, 1, 3), cfg(32, None, 1, 4), cfg(32, None, 1, 2), cfg(32, None, 1, 3, 192),
                  cfg(32, None, 2, 3), cfg(32, None, 2, 3, 128), cfg(64, None, 1, 3), cfg(16, None, 1, 3)],
     'solve': [cfg(None, None, 2, 2), cfg(None, None, 1, 2), cfg(None, None, 4, 2)],
@@ -85,7 +90,7 @@ SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = SHAPES['state_output_few'] =
 # The lower-bound gate compiles the pair gradients without their diagonal fallback.
 SHAPES['pair_bwd_bounded'] = [(8, 4096, 16, True)]
 # The raw gate's builds do the activation (and its gradient) too.
-SHAPES['gate_bwd_raw'] = SHAPES['cumsum_raw'] = [(8, 4096, 16, True)]
+SHAPES['gate_bwd_raw'] = SHAPES['cumsum_raw'] = SHAPES['cumsum_raw_decayed'] = [(8, 4096, 16, True)]
 
 
 def inputs(B, T, H, gate=False):

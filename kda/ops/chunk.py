@@ -126,7 +126,10 @@ TUNING = {
     # started (0.444 ms; 251 registers at 1 warp, no spills). The inference build with the
     # inverse norms of q and k (ae89aae) shares pair_fwd's entry, not swept: 253 registers at
     # 1 warp, no spills (ptxas, triton 3.6).
+    # 'cumsum' / 'cumsum_raw': the forward's builds (c only); '_decayed': the backward recompute's
+    # (c and the decayed keys and queries).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
+    'cumsum_decayed': dict(BK=64, num_warps=4, maxnreg=96),
     # The raw gate's builds (the activation inside; Kimi forward 0.153 ms a call at (8, 4096, 16)
     # against 0.141 for the g-pre-computed forward build, which reads twice the bytes). H200
     # sweep (sixteenth session), Kimi step at (8, 4096, 16), ms a launch averaged over the
@@ -134,7 +137,13 @@ TUNING = {
     # 0.249 uncapped, 0.317 with 8 warps; 32-wide 0.28-0.29 (2 or 4 warps); 128-wide with 8 warps
     # 0.299. ptxas (triton 3.6, bf16, the forward build): 96 registers at this cap, 80 uncapped
     # (6 programs an SM instead of 5), 48 with 8 warps, 95 128-wide with 8 warps; none spills.
-    'cumsum_raw': dict(BK=64, num_warps=4, maxnreg=96),
+    # The forward's build alone (c only; twentieth session, without the positivity check, which
+    # only a given g needs), H200, ms a launch at (8, 4096, 16) / (1, 32768, 32): 64-wide with
+    # 2 warps 0.117 / 0.229, 4 warps 0.118 / 0.230, capped at 96 0.129 / 0.256, 8 warps 0.144 /
+    # 0.281; 32-wide with 2 warps 0.141 / 0.284, 4 warps 0.147 / 0.293; 128-wide with 4 warps
+    # 0.122 / 0.231, 8 warps 0.136 / 0.263 (FLA's gate cumsum, the same job: 0.119 / 0.233).
+    'cumsum_raw': dict(BK=64, num_warps=2),
+    'cumsum_raw_decayed': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
     'solve': dict(num_warps=1),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
@@ -400,7 +409,8 @@ def stage1_cumsum(q, k, g, scale, layout: ChunkLayout, gate: KernelGate | None, 
     """Stage 1's first kernel into ``s1``: the cumulative decay, and with ``decayed`` (the
     backward's recompute) the decayed keys and queries (``chunk_stage1``)."""
     _, T, H, K = q.shape
-    cfg = launch_config('cumsum' if gate is None else 'cumsum_raw', K, K)
+    cfg = launch_config(('cumsum' if gate is None else 'cumsum_raw') + ('_decayed' if decayed else ''),
+                        K, K)
     # The decayed keys and queries come from the pair products when those run (the forward).
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K,
