@@ -273,10 +273,12 @@ def chunk_cumsum_kernel(
     b_c = tl.cumsum(b_g, axis=0)
     if GATE == 'none' or DECAYED:
         # Only a given g can be positive: the activations are <= 0 or NaN by construction
-        # (lower_bound < 0 is validated), so the forward's build for them skips this second
-        # reduction over rows (H200, Kimi configuration, ms a launch at (8, 4096, 16) /
-        # (1, 32768, 32): 0.154 / 0.301 -> 0.129 / 0.256 at the same setting). The recompute's
-        # build keeps it: without it ptxas (triton 3.6) spills 44 B a thread at that build's
+        # (exp(A_log) >= 0, softplus >= 0, sigmoid in [0, 1], lower_bound in [-5, 0) validated),
+        # so the forward's build for them skips this second reduction over rows (H200, Kimi
+        # configuration, ms a launch at (8, 4096, 16) / (1, 32768, 32): 0.154 / 0.301 -> 0.129
+        # / 0.256 at the same setting). The recompute's build keeps it for its register
+        # allocation alone (its outputs meet A' and M from the forward, whose c already carries
+        # any NaN): without it ptxas (triton 3.6) spills 44 B a thread at that build's
         # 96-register cap, none with it, and the Kimi training step read +0.026 / +0.098 ms at
         # (8, 4096, 16) / the varlen batch.
         b_c = tl.where(tl.max(b_g, axis=0)[None, :] > 0, float('nan'), b_c)

@@ -130,18 +130,18 @@ TUNING = {
     # (c and the decayed keys and queries).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
     'cumsum_decayed': dict(BK=64, num_warps=4, maxnreg=96),
-    # The raw gate's builds (the activation inside; Kimi forward 0.153 ms a call at (8, 4096, 16)
-    # against 0.141 for the g-pre-computed forward build, which reads twice the bytes). H200
-    # sweep (sixteenth session), Kimi step at (8, 4096, 16), ms a launch averaged over the
-    # forward's and the recompute's: 64-wide with 4 warps 0.240 capped at 96 (cumsum's setting),
-    # 0.249 uncapped, 0.317 with 8 warps; 32-wide 0.28-0.29 (2 or 4 warps); 128-wide with 8 warps
-    # 0.299. ptxas (triton 3.6, bf16, the forward build): 96 registers at this cap, 80 uncapped
-    # (6 programs an SM instead of 5), 48 with 8 warps, 95 128-wide with 8 warps; none spills.
-    # The forward's build alone (c only; twentieth session, without the positivity check, which
-    # only a given g needs), H200, ms a launch at (8, 4096, 16) / (1, 32768, 32): 64-wide with
-    # 2 warps 0.117 / 0.229, 4 warps 0.118 / 0.230, capped at 96 0.129 / 0.256, 8 warps 0.144 /
-    # 0.281; 32-wide with 2 warps 0.141 / 0.284, 4 warps 0.147 / 0.293; 128-wide with 4 warps
-    # 0.122 / 0.231, 8 warps 0.136 / 0.263 (FLA's gate cumsum, the same job: 0.119 / 0.233).
+    # The raw gate's builds (the activation inside). Before the split (sixteenth session, H200,
+    # Kimi step at (8, 4096, 16), ms a launch averaged over the forward's and the recompute's
+    # builds, which shared one entry): 64-wide with 4 warps 0.240 capped at 96 (now
+    # cumsum_raw_decayed's setting), 0.249 uncapped, 0.317 with 8 warps; 32-wide 0.28-0.29 (2 or
+    # 4 warps); 128-wide with 8 warps 0.299. The forward's build alone (twentieth session,
+    # without the positivity check, which only a given g needs; call 3), ms a launch at
+    # (8, 4096, 16) / (1, 32768, 32): 64-wide with 2 warps 0.116 / 0.230, 4 warps 0.118 / 0.231,
+    # capped at 96 0.129 / 0.257; 128-wide with 4 warps 0.122 / 0.231, 8 warps 0.137 / 0.264;
+    # 32-wide with 2 warps 0.140 / 0.283 (call 2: 64-wide with 8 warps 0.144 / 0.281, 32-wide
+    # with 4 warps 0.147 / 0.293); FLA's gate cumsum, the same job, 0.119 / 0.233; the
+    # g-pre-computed forward build 0.145 / 0.284 at its setting. ptxas (triton 3.6, bf16): the
+    # forward build 96 registers at 2 warps uncapped, the recompute's 96 at its cap; no spills.
     'cumsum_raw': dict(BK=64, num_warps=2),
     'cumsum_raw_decayed': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
