@@ -92,6 +92,14 @@ KERNELS = {
     'state_output': (chunk_state_output_fwd_kernel,
                      dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                      dict(absent=OPTIONAL | {'h'}), [(4, 1, None), (8, 1, None), (4, 2, None)]),
+    # WIDE_SLICES (kda/ops/chunk.py): one 128-wide slice a head; float32 for its shared memory.
+    'state_output_wide': (chunk_state_output_fwd_kernel,
+                          dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
+                          dict(absent=OPTIONAL | {'h'}), [(8, 2, None), (8, 1, None)]),
+    'state_output_wide_fp32': (chunk_state_output_fwd_kernel,
+                               dict(BK=128, BV=128, DOT_DTYPE=tl.float32, USE_INITIAL_STATE=False,
+                                    STORE_FINAL_STATE=False, STORE_STATES=False),
+                               dict(absent=OPTIONAL | {'h'}, dtype=torch.float32), [(8, 2, None)]),
 }
 
 if __name__ == '__main__':

@@ -31,7 +31,10 @@ sys.path.insert(0, str(ROOT / 'benchmarks'))
 import bench  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
-FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd', 'state_output_few': 'state_output'}
+# Candidates for the state sweeps' shape-dependent tables: FEW_PROGRAMS (fewer programs than SMs)
+# and WIDE_SLICES (the fused forward sweep otherwise, 16-bit inputs, K <= 128).
+FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd', 'state_output_few': 'state_output',
+       'state_output_wide': 'state_output'}
 KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'cumsum_raw': 'chunk_cumsum_kernel',
            'cumsum_decayed': 'chunk_cumsum_kernel', 'cumsum_raw_decayed': 'chunk_cumsum_kernel',
            'pair_fwd': 'chunk_pair_fwd_kernel',
@@ -78,14 +81,17 @@ CANDIDATES = {
     'state_bwd_few': [cfg(None, 32, 8, 3), cfg(None, 16, 8, 3), cfg(None, 32, 4, 2), cfg(None, 32, 8, 2)],
     'state_fwd': [cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 4, 3)],
     'state_bwd': [cfg(None, 64, 4, 2), cfg(None, 64, 8, 2), cfg(None, 32, 4, 2), cfg(None, 64, 4, 3)],
+    # TUNING's entry: the fused forward sweep in float32 and at V <= 64 only (a bf16 step at K = V = 128
+    # launches WIDE_SLICES' setting, below); kept as the unit the launcher counts programs in.
     'state_output': [cfg(None, 64, 4, 1), cfg(None, 64, 8, 1), cfg(None, 32, 4, 1), cfg(None, 64, 4, 2)],
+    'state_output_wide': [cfg(None, 128, 8, 2), cfg(None, 128, 8, 1), cfg(None, 128, 8, 3), cfg(None, 64, 4, 1)],
     'state_output_few': [cfg(None, 16, 4, 2), cfg(None, 32, 4, 2), cfg(None, 16, 8, 2), cfg(None, 16, 4, 3),
                          cfg(None, 64, 4, 2), cfg(None, 64, 4, 1), cfg(None, 32, 4, 1)],
 }
 # (B, T, H, Kimi lower-bound gate)
 SHAPES = {stage: [(8, 4096, 16, False)] for stage in CANDIDATES}
 SHAPES['state_fwd'] = SHAPES['state_bwd'] = [(8, 4096, 16, False), (1, 8192, 96, False)]
-SHAPES['state_output'] = [(8, 4096, 16, False), (1, 8192, 96, False)]
+SHAPES['state_output'] = SHAPES['state_output_wide'] = [(8, 4096, 16, False), (1, 8192, 96, False)]
 SHAPES['state_fwd_few'] = SHAPES['state_bwd_few'] = SHAPES['state_output_few'] = [(1, 32768, 32, False)]
 # The lower-bound gate compiles the pair gradients without their diagonal fallback.
 SHAPES['pair_bwd_bounded'] = [(8, 4096, 16, True)]
@@ -126,9 +132,11 @@ def kernel_ms(stage, leaves, do, reps=3):
 
 
 def use_candidate(stage, c):
-    """Puts candidate c of ``stage`` in place (TUNING, or FEW_PROGRAMS for the ``*_few``
-    stages); returns the function that puts the old entry back."""
-    table, key = (chunk_ops.FEW_PROGRAMS, FEW[stage]) if stage in FEW else (chunk_ops.TUNING, stage)
+    """Puts candidate c of ``stage`` in place (TUNING, or FEW_PROGRAMS for the ``*_few`` stages,
+    WIDE_SLICES for ``*_wide``); returns the function that puts the old entry back."""
+    table = (chunk_ops.WIDE_SLICES if stage.endswith('_wide') else chunk_ops.FEW_PROGRAMS if stage in FEW
+             else chunk_ops.TUNING)
+    key = FEW.get(stage, stage)
     old = table[key]
     table[key] = CANDIDATES[stage][c]
 

@@ -844,6 +844,55 @@ def test_state_sweep_stages(monkeypatch, dtype):
                     assert stages >= 2, what
 
 
+def test_fused_sweep_slices(monkeypatch):
+    """The fused forward sweep's slices on a 132-SM GPU: WIDE_SLICES (one 128-wide slice with 8
+    warps) for 16-bit inputs at K <= 128 where TUNING's 64-wide slices give at least as many
+    programs as SMs and V needs more than one; TUNING's setting in float32, at V <= 64 and at
+    K = 256 (32-wide there); FEW_PROGRAMS' with fewer programs than SMs. The backward's sweeps
+    never take WIDE_SLICES."""
+    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 132)
+    cpu = torch.device('cpu')
+
+    def cfg(stage='state_output', K=128, V=128, heads=128, dtype=torch.bfloat16):
+        c = chunk_mod.state_launch_config(stage, K, V, heads, cpu, dtype)
+        return c['BV'], c['num_warps'], c.get('num_stages', 2)
+
+    wide = (128, 8, 2)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert cfg(dtype=dtype) == wide                    # (8, 4096, 16): 256 programs at 64-wide
+        assert cfg(heads=66, dtype=dtype) == wide          # 132 programs at 64-wide
+        assert cfg(heads=1024, dtype=dtype) == wide
+        assert cfg(K=64, V=72, dtype=dtype) == wide
+        assert cfg(V=256, dtype=dtype) == wide             # two 128-wide slices
+    assert cfg(heads=65)[0] == 32                          # few programs (FEW_PROGRAMS)
+    assert cfg(dtype=torch.float32) == (64, 4, 1)
+    assert cfg(V=64, heads=132) == (64, 4, 1)               # one 64-wide slice already
+    assert cfg(K=256)[:2] == (32, 4)
+    for stage in ('state_fwd', 'state_bwd'):
+        assert cfg(stage)[:2] == (64, 4), stage
+
+
+@requires_kernels
+def test_fused_sweep_wide_slice(monkeypatch):
+    """The fused forward sweep's WIDE_SLICES build (one slice of V = 72 padded to 128, 8 warps), in
+    float16 inference against the float64 oracle with the bound of the low-precision tests; the
+    claimed single SM makes the launcher pick it on the GPU too."""
+    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 1)
+    seen = []
+    kernel = chunk_mod.chunk_state_output_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((grid, kwargs['BV'], kwargs['num_warps']))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(chunk_mod, 'chunk_state_output_fwd_kernel', Spy())
+    check_lowp(torch.float16, None, 2, 70, 1, 2, 16, 72, chunk_size=64, grads=False)
+    assert seen == [((4, 1), 128, 8)], seen
+
+
 # Compiles every chunk kernel for sm_90 at the launch configuration the launchers give it, in float32
 # and bf16 (and float16 for the pair products, whose diagonal blocks take another path there; the
 # other kernels' float16 tiles have bf16's sizes): K = V = 128, and for the state sweeps also
