@@ -96,6 +96,11 @@ KERNELS = {
     'state_output_wide': (chunk_state_output_fwd_kernel,
                           dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                           dict(absent=OPTIONAL | {'h'}), [(8, 2, None), (8, 1, None)]),
+    # The Kimi configuration's build: beta activated in float32 before the kernels.
+    'state_output_wide_beta32': (chunk_state_output_fwd_kernel,
+                                 dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False,
+                                      STORE_STATES=False),
+                                 dict(absent=OPTIONAL | {'h'}, pointers=dict(beta='*fp32')), [(8, 2, None)]),
     'state_output_wide_fp32': (chunk_state_output_fwd_kernel,
                                dict(BK=128, BV=128, DOT_DTYPE=tl.float32, USE_INITIAL_STATE=False,
                                     STORE_FINAL_STATE=False, STORE_STATES=False),

@@ -223,15 +223,15 @@ FEW_PROGRAMS = {'state_fwd': dict(BV=32), 'state_output': dict(BV=32, num_stages
 # Its 244 registers a thread (ptxas, triton 3.6, bf16) leave room for one program an SM where two
 # 64-wide ones shared it, but the key-side tiles (qt, kg, kbar, Aqk, M), which every value slice
 # of a head reads, are read once instead of twice. H200, Kimi inference forward (twenty-first
-# session, call 3; the sweep alone in brackets), ms: (8, 4096, 16) 1.153 -> 1.131 (0.375 ->
+# session, call 4; the sweep alone in brackets), ms: (8, 4096, 16) 1.153 -> 1.131 (0.375 ->
 # 0.353); (4, 8192, 32) 2.291 -> 2.250; (1, 8192, 96) 1.754 -> 1.711 (in its 3 segments);
 # (8, 4096, 32) 2.371 -> 2.243 (0.836 -> 0.704); the benchmark's varlen batch 2.419 -> 2.277;
 # (16, 4096, 32) 4.692 -> 4.420; (2, 4096, 64) 1.164 -> 1.155; (16, 2048, 16) 1.195 -> 1.128.
 # With two 64-wide programs an SM, a sweep of more programs than two an SM ran ~11 % slower a
 # chunk step than one of fewer ((8, 4096, 32) 0.836 ms against 0.752 at (4, 8192, 32), the same
-# chunk steps; call 2). One stage (20 KiB of shared memory against 120, 248 registers): the sweep
+# chunk steps; calls 2 and 3). One stage (20 KiB of shared memory against 120, 248 registers): the sweep
 # 0.758 / 0.766 / 1.480 ms at (8, 4096, 32), the varlen batch and (2, 8192, 96) against 0.714 /
-# 0.713 / 1.307 with 2 (call 2). The backward's sweeps lost so, forward + backward at (8, 4096, 16): carry 0.324 ->
+# 0.713 / 1.307 with 2 (call 3). The backward's sweeps lost so, forward + backward at (8, 4096, 16): carry 0.324 ->
 # 0.559 ms, gradient sweep 0.453 -> 0.505. float32 keeps the 64-wide build: its 128-wide one asks
 # 246 KiB of shared memory with 2 stages (triton 3.6), more than the H200 has.
 WIDE_SLICES = {'state_output': dict(BV=128, num_warps=8, num_stages=2)}
