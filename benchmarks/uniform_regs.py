@@ -35,8 +35,8 @@ STATE_IO = {'h0', 'ht', 'dht', 'dh0'}
 # and the build that faulted. The carry and the gradient sweep are compiled in both program
 # mappings (value slices innermost or on grid axis 1, ``sweep_grid``), which depend on the
 # program count; the fused forward sweep has only the second.
-CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_output', 'bf16', 256, 32, 4, 1, True),
-         ('state_output', 'fp16', 128, 64, 4, 1, True), ('state_output', 'fp32', 128, 64, 4, 1, True),
+CASES = [('state_output', 'bf16', 128, 128, 8, 2, True), ('state_output', 'bf16', 256, 32, 4, 1, True),
+         ('state_output', 'fp16', 128, 128, 8, 2, True), ('state_output', 'fp32', 128, 64, 4, 1, True),
          ('state_output', 'bf16', 128, 32, 4, 2, True), ('state_output', 'bf16', 256, 32, 4, 2, True),
          ('state_fwd', 'bf16', 128, 64, 4, 2, False), ('state_fwd', 'bf16', 128, 64, 4, 2, True),
          ('state_fwd', 'bf16', 128, 32, 4, 2, True), ('state_fwd', 'fp32', 256, 32, 4, 1, False),
@@ -44,7 +44,7 @@ CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_output', 'bf16',
          ('state_bwd', 'bf16', 128, 32, 4, 3, True), ('state_bwd', 'bf16', 256, 32, 4, 2, True),
          ('state_fwd', 'bf16', 128, 16, 4, 1, False)]
 # The many-program settings in use again with varlen (the sequences' bounds loaded).
-VARLEN_CASES = [('state_output', 'bf16', 128, 64, 4, 1, True), ('state_fwd', 'bf16', 128, 64, 4, 2, False),
+VARLEN_CASES = [('state_output', 'bf16', 128, 128, 8, 2, True), ('state_fwd', 'bf16', 128, 64, 4, 2, False),
                 ('state_bwd', 'bf16', 128, 64, 4, 2, False)]
 
 

@@ -873,10 +873,12 @@ def test_fused_sweep_slices(monkeypatch):
 
 
 @requires_kernels
-def test_fused_sweep_wide_slice(monkeypatch):
-    """The fused forward sweep's WIDE_SLICES build (one slice of V = 72 padded to 128, 8 warps), in
-    float16 inference against the float64 oracle with the bound of the low-precision tests; the
-    claimed single SM makes the launcher pick it on the GPU too."""
+@pytest.mark.parametrize('V', [72, 160])
+def test_fused_sweep_wide_slice(monkeypatch, V):
+    """The fused forward sweep's WIDE_SLICES build (128-wide slices with 8 warps: one for V = 72,
+    padded; two for V = 160, the second 32 columns wide), in float16 inference against the
+    float64 oracle with the bound of the low-precision tests; the claimed single SM makes the
+    launcher pick it on the GPU too."""
     monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 1)
     seen = []
     kernel = chunk_mod.chunk_state_output_fwd_kernel
@@ -889,8 +891,8 @@ def test_fused_sweep_wide_slice(monkeypatch):
             return launch
 
     monkeypatch.setattr(chunk_mod, 'chunk_state_output_fwd_kernel', Spy())
-    check_lowp(torch.float16, None, 2, 70, 1, 2, 16, 72, chunk_size=64, grads=False)
-    assert seen == [((4, 1), 128, 8)], seen
+    check_lowp(torch.float16, None, 2, 70, 1, 2, 16, V, chunk_size=64, grads=False)
+    assert seen == [((4, -(-V // 128)), 128, 8)], seen
 
 
 # Compiles every chunk kernel for sm_90 at the launch configuration the launchers give it, in float32

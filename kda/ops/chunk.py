@@ -228,12 +228,14 @@ FEW_PROGRAMS = {'state_fwd': dict(BV=32), 'state_output': dict(BV=32, num_stages
 # (8, 4096, 32) 2.371 -> 2.243 (0.836 -> 0.704); the benchmark's varlen batch 2.419 -> 2.277;
 # (16, 4096, 32) 4.692 -> 4.420; (2, 4096, 64) 1.164 -> 1.155; (16, 2048, 16) 1.195 -> 1.128.
 # With two 64-wide programs an SM, a sweep of more programs than two an SM ran ~11 % slower a
-# chunk step than one of fewer ((8, 4096, 32) 0.836 ms against 0.752 at (4, 8192, 32), the same
-# chunk steps; calls 2 and 3). One stage (20 KiB of shared memory against 120, 248 registers): the sweep
-# 0.758 / 0.766 / 1.480 ms at (8, 4096, 32), the varlen batch and (2, 8192, 96) against 0.714 /
-# 0.713 / 1.307 with 2 (call 3). The backward's sweeps lost so, forward + backward at (8, 4096, 16): carry 0.324 ->
-# 0.559 ms, gradient sweep 0.453 -> 0.505. float32 keeps the 64-wide build: its 128-wide one asks
-# 246 KiB of shared memory with 2 stages (triton 3.6), more than the H200 has.
+# chunk step than one of fewer ((8, 4096, 32) 0.836 ms against 0.750 at (4, 8192, 32), the same
+# chunk steps; call 2). Call 3, the sweep at (8, 4096, 32), the varlen batch and (2, 8192, 96):
+# 0.714 / 0.713 / 1.307 ms with 2 stages, 0.758 / 0.766 / 1.480 with one (20 KiB of shared
+# memory against 120, 248 registers). The backward's sweeps lost so, forward + backward at
+# (8, 4096, 16): carry 0.324 -> 0.559 ms, gradient sweep 0.453 -> 0.505. float32 keeps the
+# 64-wide build: its 128-wide one asks 246,016 B of shared memory with 2 stages (triton 3.6 and
+# 3.9), more than the H200's 232,448. Between 66 and 131 (sequence, head) pairs (132 SMs) the
+# wide sweep leaves SMs idle (one program a pair); that range was not timed.
 WIDE_SLICES = {'state_output': dict(BV=128, num_warps=8, num_stages=2)}
 
 
@@ -289,7 +291,6 @@ def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
         cfg['BV'] = min(cfg['BV'], next_pow2(V))
     elif stage in WIDE_SLICES and dtype != torch.float32 and K <= 128 and V > cfg['BV']:
         cfg.update({n: x for n, x in WIDE_SLICES[stage].items() if x is not None})
-        cfg['BV'] = min(cfg['BV'], next_pow2(V))
     cfg['SLICES_INNERMOST'] = stage != 'state_output' and (varlen or not few)
     # Shape rules last, so that no table entry above overrides them. The whole key dimension is
     # one block; at K = 256 half the value slice keeps the [256, BV] float32 state within the
@@ -494,8 +495,9 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     """Token ranges ``[t0, t1)`` (whole chunks) in which ``chunk_kda_fwd`` runs stage 1 and the
     fused sweep one after the other, so that each segment's sweep runs beside the next
     segment's stage 1; None for one pass over the whole sequence. Segmented only where the sweep
-    leaves SMs room (fewer programs, at TUNING's value slices, than two an SM: two of its
-    255-register, 4-warp programs fill an SM's registers) and a segment is a contiguous view of
+    leaves SMs room (fewer programs, counted at TUNING's 64-wide value slices, than two an SM:
+    two such 4-warp programs, or one of WIDE_SLICES' 128-wide 8-warp ones, fill an SM's
+    registers) and a segment is a contiguous view of
     every tensor: one sequence of fixed length (B = 1), without ``store_states``, long enough
     (``SEGMENT_MIN_TOKEN_HEADS``) that the GPU, not the host, sets the time. FORWARD_SEGMENTS
     segments where the sweep has at most one program for every two SMs, else BUSY_SWEEP_SEGMENTS
