@@ -280,9 +280,8 @@ def state_launch_config(stage: str, K: int, V: int, sequence_heads: int, device,
                         dtype: torch.dtype, varlen: bool = False) -> dict:
     """``launch_config`` of a state sweep over ``sequence_heads`` (sequence, value head) pairs of
     ``dtype`` inputs, with FEW_PROGRAMS applied when they would leave SMs idle (else WIDE_SLICES
-    where it applies), and the order of
-    its programs (``SLICES_INNERMOST``, see ``sweep_grid``; ``varlen``: sequences of their own
-    lengths)."""
+    where it applies), and the order of its programs (``SLICES_INNERMOST``, see ``sweep_grid``;
+    ``varlen``: sequences of their own lengths)."""
     cfg = launch_config(stage, K, V)
     few = few_programs(stage, K, V, sequence_heads, device)
     if few:
@@ -497,11 +496,10 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     segment's stage 1; None for one pass over the whole sequence. Segmented only where the sweep
     leaves SMs room (fewer programs, counted at TUNING's 64-wide value slices, than two an SM:
     two such 4-warp programs, or one of WIDE_SLICES' 128-wide 8-warp ones, fill an SM's
-    registers) and a segment is a contiguous view of
-    every tensor: one sequence of fixed length (B = 1), without ``store_states``, long enough
-    (``SEGMENT_MIN_TOKEN_HEADS``) that the GPU, not the host, sets the time. FORWARD_SEGMENTS
-    segments where the sweep has at most one program for every two SMs, else BUSY_SWEEP_SEGMENTS
-    (``busy_sweep``).
+    registers) and a segment is a contiguous view of every tensor: one sequence of fixed length
+    (B = 1), without ``store_states``, long enough (``SEGMENT_MIN_TOKEN_HEADS``) that the GPU,
+    not the host, sets the time. FORWARD_SEGMENTS segments where the sweep has at most one
+    program for every two SMs, else BUSY_SWEEP_SEGMENTS (``busy_sweep``).
 
     The first segment's stage 1 runs alone, at full speed; each later one beside the previous
     segment's sweep, which slows both; the last segment's sweep runs alone at the end. Where the
