@@ -31,10 +31,12 @@ sys.path.insert(0, str(ROOT / 'benchmarks'))
 import bench  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
-# Candidates for the state sweeps' shape-dependent tables: FEW_PROGRAMS (fewer programs than SMs)
-# and WIDE_SLICES (the fused forward sweep otherwise, 16-bit inputs, K <= 128).
-FEW = {'state_fwd_few': 'state_fwd', 'state_bwd_few': 'state_bwd', 'state_output_few': 'state_output',
-       'state_output_wide': 'state_output'}
+# Candidates for the state sweeps' shape-dependent tables, as (table in kda.ops.chunk, its key):
+# FEW_PROGRAMS (fewer programs than SMs) and WIDE_SLICES (the fused forward sweep otherwise,
+# 16-bit inputs, K <= 128). Every other stage's candidates go to TUNING under its own name.
+TABLES = {'state_fwd_few': ('FEW_PROGRAMS', 'state_fwd'), 'state_bwd_few': ('FEW_PROGRAMS', 'state_bwd'),
+          'state_output_few': ('FEW_PROGRAMS', 'state_output'),
+          'state_output_wide': ('WIDE_SLICES', 'state_output')}
 KERNELS = {'cumsum': 'chunk_cumsum_kernel', 'cumsum_raw': 'chunk_cumsum_kernel',
            'cumsum_decayed': 'chunk_cumsum_kernel', 'cumsum_raw_decayed': 'chunk_cumsum_kernel',
            'pair_fwd': 'chunk_pair_fwd_kernel',
@@ -126,17 +128,21 @@ def kernel_ms(stage, leaves, do, reps=3):
             step(leaves, do)
         torch.cuda.synchronize()
     for e in prof.key_averages():
-        if e.key.startswith(KERNELS[FEW.get(stage, stage)]):
+        if e.key.startswith(KERNELS[table_entry(stage)[1]]):
             return e.device_time_total / 1e3 / e.count
     return float('nan')
 
 
+def table_entry(stage):
+    """``(table name in kda.ops.chunk, key)`` that ``stage``'s candidates replace (``TABLES``)."""
+    return TABLES.get(stage, ('TUNING', stage))
+
+
 def use_candidate(stage, c):
-    """Puts candidate c of ``stage`` in place (TUNING, or FEW_PROGRAMS for the ``*_few`` stages,
-    WIDE_SLICES for ``*_wide``); returns the function that puts the old entry back."""
-    table = (chunk_ops.WIDE_SLICES if stage.endswith('_wide') else chunk_ops.FEW_PROGRAMS if stage in FEW
-             else chunk_ops.TUNING)
-    key = FEW.get(stage, stage)
+    """Puts candidate c of ``stage`` in place (``table_entry``); returns the function that puts the
+    old entry back."""
+    name, key = table_entry(stage)
+    table = getattr(chunk_ops, name)
     old = table[key]
     table[key] = CANDIDATES[stage][c]
 

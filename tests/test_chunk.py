@@ -598,6 +598,22 @@ def test_launch_rules(monkeypatch, rule):
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
 
 
+def spy_launches(monkeypatch, name: str, record) -> list:
+    """Replaces kernel ``name`` of ``kda.ops.chunk`` with one that still launches it but first
+    appends ``record(grid, launch keyword arguments)`` to the list returned here."""
+    seen, kernel = [], getattr(chunk_mod, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(record(grid, kwargs))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(chunk_mod, name, Spy())
+    return seen
+
+
 @requires_kernels
 @pytest.mark.parametrize('case', ['T45-BT32-K60-V48-vfirst', 'T37-BT32-gva24-noh0-nofinal', 'varlen-BT32-V72',
                                   'varlen-BT64-vfirst-l2'])
@@ -608,22 +624,11 @@ def test_transposed_sweeps(monkeypatch, case):
     N * HV * value slices = 1): the float64 checks of the matrix case, and the launches seen
     transposed."""
     monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
-    seen = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((self.kernel.fn.__name__, kwargs['TRANSPOSED']))
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name in ('chunk_state_fwd_kernel', 'chunk_state_bwd_kernel'):
-        monkeypatch.setattr(chunk_mod, name, Spy(getattr(chunk_mod, name)))
+    seen = {name: spy_launches(monkeypatch, name, lambda grid, kwargs: kwargs['TRANSPOSED'])
+            for name in ('chunk_state_fwd_kernel', 'chunk_state_bwd_kernel')}
     check_matrix_case(*next((s, o) for i, s, o in MATRIX if i == case))
-    assert sorted(set(seen)) == [('chunk_state_bwd_kernel', True), ('chunk_state_fwd_kernel', True)]
+    assert {name: set(s) for name, s in seen.items()} == {'chunk_state_fwd_kernel': {True},
+                                                         'chunk_state_bwd_kernel': {True}}
 
 
 def test_forward_segments(monkeypatch):
@@ -880,17 +885,8 @@ def test_fused_sweep_wide_slice(monkeypatch, V):
     float64 oracle with the bound of the low-precision tests; the claimed single SM makes the
     launcher pick it on the GPU too."""
     monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 1)
-    seen = []
-    kernel = chunk_mod.chunk_state_output_fwd_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((grid, kwargs['BV'], kwargs['num_warps']))
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(chunk_mod, 'chunk_state_output_fwd_kernel', Spy())
+    seen = spy_launches(monkeypatch, 'chunk_state_output_fwd_kernel',
+                        lambda grid, kwargs: (grid, kwargs['BV'], kwargs['num_warps']))
     check_lowp(torch.float16, None, 2, 70, 1, 2, 16, V, chunk_size=64, grads=False)
     assert seen == [((4, -(-V // 128)), 128, 8)], seen
 
