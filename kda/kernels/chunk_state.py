@@ -65,11 +65,10 @@ def chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV: tl.constex
 
 
 @triton.jit
-def carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV: tl.constexpr, K: tl.constexpr,
+def carry_state(b_h, b_d, kbar, b_last, row0, n, i_hv, HV: tl.constexpr, K: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANSPOSED: tl.constexpr):
     """``Diag(exp(c_last)) S + Kbar^T dV``: the state after the chunk at ``row0``."""
     b_kbart = load_tile_ot(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK, TRANSPOSED)
-    b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
     return b_h * rows_o(exp_nonpos(b_last), TRANSPOSED) + mm_o(b_kbart, b_d, DOT_DTYPE, TRANSPOSED)
 
 
@@ -93,8 +92,9 @@ def chunk_state_fwd_kernel(
     for i_t in range(tl.cdiv(L, BT)):
         row0 = bos + i_t * BT
         n = tl.minimum(L - i_t * BT, BT)
+        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
         store_tile_o(h + ((c0 + i_t) * HV + i_hv) * K * V, b_h, 0, K, V, i_v * BV, V, BK, BV, TRANSPOSED)
         b_d = chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV, K, V, BT, BK, BV,
                                 DOT_DTYPE, TRANSPOSED)
         store_tile_o(v_new + row0 * HV * V + i_hv * V, b_d, 0, n, HV * V, i_v * BV, V, BT, BV, TRANSPOSED)
-        b_h = carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV, K, BT, BK, DOT_DTYPE, TRANSPOSED)
+        b_h = carry_state(b_h, b_d, kbar, b_last, row0, n, i_hv, HV, K, BT, BK, DOT_DTYPE, TRANSPOSED)

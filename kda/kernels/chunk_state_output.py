@@ -18,7 +18,7 @@ at (1, 8192, 96), 1.549 / 1.811 at (1, 32768, 32).
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (load_state, load_tile_o, lower_o, mm_o, oriented, store_tile_o,
+from kda.kernels.chunk_common import (load_row, load_state, load_tile_o, lower_o, mm_o, oriented, store_tile_o,
                                       sweep_program)
 from kda.kernels.chunk_state import carry_state, chunk_corrections
 
@@ -48,6 +48,7 @@ def chunk_state_output_fwd_kernel(
     for i_t in range(tl.cdiv(L, BT)):
         row0 = bos + i_t * BT
         n = tl.minimum(L - i_t * BT, BT)
+        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
         if STORE_STATES:
             store_tile_o(h + ((c0 + i_t) * HV + i_hv) * K * V, b_h, 0, K, V, i_v * BV, V, BK, BV,
                          TRANSPOSED)
@@ -58,7 +59,7 @@ def chunk_state_output_fwd_kernel(
                                           TRANSPOSED), 0.)
         b_o = mm_o(b_qt, b_h, DOT_DTYPE, TRANSPOSED) + mm_o(b_A, b_d, DOT_DTYPE, TRANSPOSED)
         store_tile_o(o + row0 * HV * V + i_hv * V, b_o, 0, n, HV * V, i_v * BV, V, BT, BV, TRANSPOSED)
-        b_h = carry_state(b_h, b_d, kbar, gc, row0, n, i_hv, HV, K, BT, BK, DOT_DTYPE, TRANSPOSED)
+        b_h = carry_state(b_h, b_d, kbar, b_last, row0, n, i_hv, HV, K, BT, BK, DOT_DTYPE, TRANSPOSED)
 
     if STORE_FINAL_STATE:
         tl.store(ht + o_s, oriented(b_h, TRANSPOSED), mask=m_s)
