@@ -864,6 +864,10 @@ def chunk_kda(
                              "TRITON_INTERPRET=1 on the CPU)")
         return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
+    # The state sweeps load beta a row at a time inside their chunk loop; Triton (3.6) makes a load
+    # asynchronous (prefetched a chunk ahead) only from 4 bytes a thread, so 16-bit beta stalled
+    # every chunk step on its load.
+    beta = beta.float()
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
