@@ -92,19 +92,15 @@ KERNELS = {
     'state_output': (chunk_state_output_fwd_kernel,
                      dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                      dict(absent=OPTIONAL | {'h'}), [(4, 1, None), (8, 1, None), (4, 2, None)]),
-    # FEW_PROGRAMS (kda/ops/chunk.py): 32-wide slices, 2 stages.
+    # FEW_PROGRAMS (kda/ops/chunk.py): 32-wide slices, 2 stages; with the states a segment hands
+    # over.
     'state_output_few': (chunk_state_output_fwd_kernel,
                          dict(BK=128, BV=32, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, STORE_STATES=False),
-                         dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}, pointers=dict(beta='*fp32')), [(4, 2, None)]),
+                         dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}), [(4, 2, None)]),
     # WIDE_SLICES (kda/ops/chunk.py): one 128-wide slice a head.
     'state_output_wide': (chunk_state_output_fwd_kernel,
                           dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                           dict(absent=OPTIONAL | {'h'}), [(8, 2, None), (8, 1, None)]),
-    # The Kimi configuration's build: beta activated in float32 before the kernels.
-    'state_output_wide_beta32': (chunk_state_output_fwd_kernel,
-                                 dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False,
-                                      STORE_STATES=False),
-                                 dict(absent=OPTIONAL | {'h'}, pointers=dict(beta='*fp32')), [(8, 2, None)]),
     # The 128-wide build in float32, which WIDE_SLICES leaves out for its shared memory.
     'state_output_wide_fp32': (chunk_state_output_fwd_kernel,
                                dict(BK=128, BV=128, DOT_DTYPE=tl.float32, USE_INITIAL_STATE=False,

@@ -891,6 +891,22 @@ def test_fused_sweep_wide_slice(monkeypatch, V):
     assert seen == [((4, -(-V // 128)), 128, 8)], seen
 
 
+@requires_kernels
+def test_kernels_read_float32_beta(monkeypatch):
+    """A 16-bit beta reaches the kernels as a float32 copy, forward and backward (the state sweeps'
+    per-row loads of it are prefetched only from 4 bytes a thread, ``chunk_kda``), while its
+    gradient keeps beta's dtype (``run_chunk``) and the results the float64 bound of the
+    low-precision tests."""
+    seen = []
+    for name in ('chunk_kda_fwd', 'chunk_kda_bwd'):
+        def spy(*args, _f=getattr(chunk_mod, name), _n=name, **kwargs):
+            seen.append((_n, args[4].dtype))  # (q, k, v, g, beta, ...) in both
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(chunk_mod, name, spy)
+    check_lowp(torch.float16, None, 2, 70, 1, 2, 32, 32, chunk_size=64, grads=True)
+    assert seen == [('chunk_kda_fwd', torch.float32), ('chunk_kda_bwd', torch.float32)], seen
+
+
 # Compiles every chunk kernel for sm_90 at the launch configuration the launchers give it, in float32
 # and bf16 (and float16 for the pair products, whose diagonal blocks take another path there; the
 # other kernels' float16 tiles have bf16's sizes): K = V = 128, and for the state sweeps also

@@ -15,9 +15,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 # Buffers the launchers allocate in float32 whatever the input dtype (the inverse norms of q and k
-# among them), the float32 states, and the gate's parameters; every other pointer argument has the
-# input dtype.
-FLOAT32 = frozenset({'g', 'rq', 'rk', 'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg', 'dc', 'dbeta',
+# among them), beta (``chunk_kda`` hands the kernels a float32 copy), the float32 states, and the
+# gate's parameters; every other pointer argument has the input dtype.
+FLOAT32 = frozenset({'g', 'beta', 'rq', 'rk', 'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg', 'dc', 'dbeta',
                      'h0', 'ht', 'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias', 'dA_log', 'ddt_bias'})
 # Arguments a launch may pass as None (inverse norms of q and k, varlen tensors, states, the
 # gate's parameters).
