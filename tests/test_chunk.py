@@ -1839,8 +1839,9 @@ def test_saved_for_backward(gate, dtype):
     [B, T, HV, K] tensor: the normalized q and k in the input dtype, in place of the raw q and k
     (which it does not keep: memory-neutral where nothing else holds them, as in a model whose
     q and k come from a projection; where the caller keeps q and k alive, two more such tensors
-    live from forward to backward), and their inverse norms (2 / K); with the in-kernel gate the
-    activated beta (1 / K), and
+    live from forward to backward), and their inverse norms (2 / K); beta in float32 (1 / K)
+    where that is not the input itself: the activated beta with the in-kernel gate, and the
+    float32 copy of a 16-bit beta that the kernels read (``chunk_kda``); and
     the in-chunk matrices Aqk and M (input dtype) and A' (float32), BT entries a token each; nothing
     [.., K]- or state-sized (c, the decayed keys and queries and the states are recomputed;
     FLA 0.6.0 keeps c), and
@@ -1870,7 +1871,8 @@ def test_saved_for_backward(gate, dtype):
     units = sum(n for p, n in saved.items() if p not in inputs) / (B * T * H * K * 4)
     BT = 64
     itemsize = x['q'].element_size()
-    expected = 2 * itemsize / 4 + 2 / K + (1 / K if gate else 0) + BT * (2 * itemsize + 4) / (4 * K)
+    beta_copy = gate or x['beta'].dtype != torch.float32
+    expected = 2 * itemsize / 4 + 2 / K + (1 / K if beta_copy else 0) + BT * (2 * itemsize + 4) / (4 * K)
     assert abs(units - expected) < 0.01, f"saved {units:.3f} units for backward, expected {expected:.3f}"
     raw = {leaves[n].untyped_storage().data_ptr() for n in ('q', 'k')}
     assert not raw & saved.keys(), "the raw q and k are kept beside the normalized ones"

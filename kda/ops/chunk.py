@@ -864,7 +864,8 @@ def chunk_kda(
                              "TRITON_INTERPRET=1 on the CPU)")
         return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
-    # The kernels read beta in float32 (a [B, T, HV] copy, 2 bytes a token-head more): the state
+    # The kernels read beta in float32 (a [B, T, HV] copy, which training keeps for the backward:
+    # 4 bytes a token-head, 1 / K of q's float32 size; test_saved_for_backward): the state
     # sweeps load it a row at a time in their chunk loop, and Triton (3.6) prefetches a load
     # (asynchronous copy) only from 4 bytes a thread, so a 16-bit beta stalled every chunk step on
     # its load. H200, bf16 forward with g pre-computed: -0.03 to -0.07 ms at (1, 32768, 32),
