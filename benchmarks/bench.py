@@ -18,7 +18,8 @@ repository root is unpacked into a temporary folder and imported from there.
 Floors. A time floor is ``max(bytes / 4.3e12 B/s, FLOPs / 700e12 FLOP/s)`` (H200 device-copy and bf16
 matrix-product ceilings, see ANCHORS.md); both parts are printed.
 
-* Bytes, forward: q, k, v read and o written once in bf16, g read once in float32, beta once in bf16.
+* Bytes, forward: q, k, v read and o written once in bf16, g read once in float32, beta once in bf16
+  (the API's bytes: not the float32 copy of beta that the kernels read).
   Forward + backward adds one read of q, k, v, g, beta and of the output gradient do, and one write of
   dq, dk, dv, dbeta (bf16) and dg (float32); saved or recomputed intermediates are not counted.
   Decode: the float32 state read and written once, plus q, k, v, beta, o (bf16) and g (float32).

@@ -893,18 +893,27 @@ def test_fused_sweep_wide_slice(monkeypatch, V):
 
 @requires_kernels
 def test_kernels_read_float32_beta(monkeypatch):
-    """A 16-bit beta reaches the kernels as a float32 copy, forward and backward (the state sweeps'
-    per-row loads of it are prefetched only from 4 bytes a thread, ``chunk_kda``), while its
-    gradient keeps beta's dtype (``run_chunk``) and the results the float64 bound of the
+    """A 16-bit beta is handed to the forward's and the backward's launchers (``chunk_kda_fwd``,
+    ``chunk_kda_bwd``) as a float32 copy, in training and in inference, strided or not (the state
+    sweeps prefetch a per-row load only from 4 bytes a thread, ``chunk_kda``); its gradient keeps
+    beta's dtype (``run_chunk``), and the results stay within the float64 bound of the
     low-precision tests."""
     seen = []
     for name in ('chunk_kda_fwd', 'chunk_kda_bwd'):
         def spy(*args, _f=getattr(chunk_mod, name), _n=name, **kwargs):
-            seen.append((_n, args[4].dtype))  # (q, k, v, g, beta, ...) in both
+            seen.append((_n, args[4].dtype, args[4].is_contiguous()))  # (q, k, v, g, beta, ...)
             return _f(*args, **kwargs)
         monkeypatch.setattr(chunk_mod, name, spy)
     check_lowp(torch.float16, None, 2, 70, 1, 2, 32, 32, chunk_size=64, grads=True)
-    assert seen == [('chunk_kda_fwd', torch.float32), ('chunk_kda_bwd', torch.float32)], seen
+    x = {n: t.to(KDEV) for n, t in make_inputs(2, 70, 1, 2, 32, 32, dtype=torch.float16).items()}
+    with torch.no_grad():
+        o = chunk_kda(**x)[0]
+        x['beta'] = x['beta'].transpose(0, 1).contiguous().transpose(0, 1)  # the same values, strided
+        o_strided = chunk_kda(**x)[0]
+    assert not x['beta'].is_contiguous()
+    assert torch.equal(o, o_strided)
+    assert seen == [('chunk_kda_fwd', torch.float32, True), ('chunk_kda_bwd', torch.float32, True)] + \
+        [('chunk_kda_fwd', torch.float32, True)] * 2, seen
 
 
 # Compiles every chunk kernel for sm_90 at the launch configuration the launchers give it, in float32

@@ -152,6 +152,8 @@ TUNING = {
     # 0.692 / 1.351 (2 stages). The W/U kernel, carry and output kernel it replaces took 0.75.
     # Transposed (chunk_state.py), sweep in the ninth session: 0.387 / 0.728 (8 warps 0.695, 32-wide
     # 0.655, 2 stages 0.545).
+    # Since 12f955c (c's last row loaded at the top of the step) this build spills 92 B a thread
+    # with 16-bit inputs (ptxas, triton 3.6; it took 16-bit V <= 64 and float32): not timed.
     'state_output': dict(BV=64, num_warps=4, num_stages=1),
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
     # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
@@ -220,7 +222,7 @@ FEW_PROGRAMS = {'state_fwd': dict(BV=32), 'state_output': dict(BV=32, num_stages
                 'state_bwd': dict(num_warps=4, num_stages=3)}
 # Where the fused forward sweep has at least as many programs as SMs at TUNING's 64-wide slices
 # (so not FEW_PROGRAMS), 16-bit inputs and K <= 128: one 128-wide slice a program with 8 warps.
-# Its 244 registers a thread (ptxas, triton 3.6, bf16) leave room for one program an SM where two
+# Its 247 registers a thread (ptxas, triton 3.6, bf16, float32 beta) leave room for one program an SM where two
 # 64-wide ones shared it, but the key-side tiles (qt, kg, kbar, Aqk, M), which every value slice
 # of a head reads, are read once instead of twice. H200, Kimi inference forward (twenty-first
 # session, call 4; the sweep alone in brackets), ms: (8, 4096, 16) 1.153 -> 1.131 (0.375 ->
@@ -869,9 +871,10 @@ def chunk_kda(
     # sweeps load it a row at a time in their chunk loop, and Triton (3.6) prefetches a load
     # (asynchronous copy) only from 4 bytes a thread, so a 16-bit beta stalled every chunk step on
     # its load. H200, bf16 forward with g pre-computed: -0.03 to -0.07 ms at (1, 32768, 32),
-    # (1, 8192, 96), (4, 8192, 32) and the varlen batch, 0 at (8, 4096, 16), where two programs an
-    # SM hide it (the Kimi configuration's activated beta was float32 already).
-    beta = beta.float()
+    # (1, 8192, 96), (4, 8192, 32) and the varlen batch, 0 at (8, 4096, 16) (one 128-wide sweep
+    # program an SM there too: why it lost nothing is not known). The Kimi configuration's
+    # activated beta was float32 already. One copy, contiguous, whatever beta's strides.
+    beta = beta.to(torch.float32, memory_format=torch.contiguous_format)
     q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
