@@ -65,16 +65,23 @@ def chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV: tl.constex
 
 
 @triton.jit
+def chunk_last_decay(gc, row0, n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """``c_last`` ``[BK]``: the cumulative decay's last row of the chunk at ``row0`` (``n`` valid
+    rows), by which the sweeps decay the state across the chunk (``carry_state``)."""
+    return load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
+
+
+@triton.jit
 def carry_state(b_h, b_d, kbar, b_last, row0, n, i_hv, HV: tl.constexpr, K: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANSPOSED: tl.constexpr):
     """``Diag(exp(c_last)) S + Kbar^T dV``: the state after the chunk at ``row0``. ``b_last`` is
-    the chunk's last row of the cumulative decay ``c`` (``load_row``), which the caller loads at the
-    top of the chunk step. Triton (3.6) does not prefetch that row across iterations, and loaded
-    here, next to its use, it was issued after the corrections' products: each step then waited a
-    memory round trip for it. H200, bf16 inference forward (the fused sweep; the backward's carry,
-    changed alike, was not timed apart): -0.03 to -0.10 ms at the benchmark's shapes, -0.099 on
-    its varlen batch, nothing at (1, 32768, 32) with the Kimi gate (its segments' sweeps wait on
-    stage 1 there); bit for bit the same."""
+    ``chunk_last_decay``'s row, which the caller loads at the top of the chunk step. Triton (3.6)
+    does not prefetch that row across iterations, and loaded here, next to its use, it was issued
+    after the corrections' products: each step then waited a memory round trip for it. H200, bf16
+    inference forward (the fused sweep; the backward's carry, changed alike, was not timed
+    apart): -0.03 to -0.10 ms at the benchmark's shapes, -0.099 on its varlen batch, nothing at
+    (1, 32768, 32) with the Kimi gate (its segments' sweeps wait on stage 1 there); bit for bit
+    the same."""
     b_kbart = load_tile_ot(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK, TRANSPOSED)
     return b_h * rows_o(exp_nonpos(b_last), TRANSPOSED) + mm_o(b_kbart, b_d, DOT_DTYPE, TRANSPOSED)
 
@@ -99,7 +106,7 @@ def chunk_state_fwd_kernel(
     for i_t in range(tl.cdiv(L, BT)):
         row0 = bos + i_t * BT
         n = tl.minimum(L - i_t * BT, BT)
-        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
+        b_last = chunk_last_decay(gc, row0, n, i_hv, HV, K, BK)
         store_tile_o(h + ((c0 + i_t) * HV + i_hv) * K * V, b_h, 0, K, V, i_v * BV, V, BK, BV, TRANSPOSED)
         b_d = chunk_corrections(kg, v, beta, Minv, b_h, row0, n, i_hv, i_v, HV, K, V, BT, BK, BV,
                                 DOT_DTYPE, TRANSPOSED)

@@ -17,9 +17,9 @@ The last ``dS`` is the gradient of the initial state. ``TRANSPOSED`` as in ``chu
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (exp_nonpos, load_row, load_state, load_tile_o, load_tile_ot,
-                                      lower_o, mm_o, oriented, rows_o, store_tile_o, sweep_program)
-from kda.kernels.chunk_state import chunk_beta_inverse
+from kda.kernels.chunk_common import (exp_nonpos, load_state, load_tile_o, load_tile_ot, lower_o,
+                                      mm_o, oriented, rows_o, store_tile_o, sweep_program)
+from kda.kernels.chunk_state import chunk_beta_inverse, chunk_last_decay
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def chunk_state_bwd_kernel(
                         load_tile_ot(Aqk + row0 * HV * BT + i_hv * BT, 0, n, HV * BT, 0, BT, BT, BT, TRANSPOSED),
                         0.)
         b_kbar = load_tile_o(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK, TRANSPOSED)
-        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
+        b_last = chunk_last_decay(gc, row0, n, i_hv, HV, K, BK)
         b_ddv = mm_o(b_At, b_do, DOT_DTYPE, TRANSPOSED) + mm_o(b_kbar, b_dh, DOT_DTYPE, TRANSPOSED)
         store_tile_o(dv_new + row0 * HV * V + i_hv * V, b_ddv, 0, n, HV * V, i_v * BV, V, BT, BV, TRANSPOSED)
         b_qtt = load_tile_ot(qt + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK, TRANSPOSED)

@@ -18,9 +18,9 @@ at (1, 8192, 96), 1.549 / 1.811 at (1, 32768, 32).
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_common import (load_row, load_state, load_tile_o, lower_o, mm_o, oriented,
-                                      store_tile_o, sweep_program)
-from kda.kernels.chunk_state import carry_state, chunk_corrections
+from kda.kernels.chunk_common import (load_state, load_tile_o, lower_o, mm_o, oriented, store_tile_o,
+                                      sweep_program)
+from kda.kernels.chunk_state import carry_state, chunk_corrections, chunk_last_decay
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def chunk_state_output_fwd_kernel(
         row0 = bos + i_t * BT
         n = tl.minimum(L - i_t * BT, BT)
         # Issued first, used last (carry_state).
-        b_last = load_row(gc + row0 * HV * K + i_hv * K, n - 1, n, HV * K, 0, K, BK)
+        b_last = chunk_last_decay(gc, row0, n, i_hv, HV, K, BK)
         if STORE_STATES:
             store_tile_o(h + ((c0 + i_t) * HV + i_hv) * K * V, b_h, 0, K, V, i_v * BV, V, BK, BV,
                          TRANSPOSED)

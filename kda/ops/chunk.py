@@ -222,8 +222,8 @@ FEW_PROGRAMS = {'state_fwd': dict(BV=32), 'state_output': dict(BV=32, num_stages
                 'state_bwd': dict(num_warps=4, num_stages=3)}
 # Where the fused forward sweep has at least as many programs as SMs at TUNING's 64-wide slices
 # (so not FEW_PROGRAMS), 16-bit inputs and K <= 128: one 128-wide slice a program with 8 warps.
-# Its 247 registers a thread (ptxas, triton 3.6, bf16, float32 beta) leave room for one program an SM where two
-# 64-wide ones shared it, but the key-side tiles (qt, kg, kbar, Aqk, M), which every value slice
+# Its 247 registers a thread (ptxas, triton 3.6, bf16, float32 beta) leave room for one program
+# an SM where two 64-wide ones shared it, but the key-side tiles (qt, kg, kbar, Aqk, M), which every value slice
 # of a head reads, are read once instead of twice. H200, Kimi inference forward (twenty-first
 # session, call 4; the sweep alone in brackets), ms: (8, 4096, 16) 1.153 -> 1.131 (0.375 ->
 # 0.353); (4, 8192, 32) 2.291 -> 2.250; (1, 8192, 96) 1.754 -> 1.711 (in its 3 segments);
@@ -799,7 +799,9 @@ class ChunkKDAFunction(torch.autograd.Function):
             do.contiguous(), None if dht is None else dht.contiguous(), saved, gate, matrices)
         if ctx.qk_l2norm:
             dq, dk = l2norm_bwd(qn, rq, dq, kn, rk, dk)
-        return (dq.to(qn.dtype), dk.to(kn.dtype), dv, dg, dbeta.to(beta.dtype),
+        # dbeta is float32 like the beta chunk_kda hands this Function; autograd casts it back to
+        # the caller's dtype through that copy.
+        return (dq.to(qn.dtype), dk.to(kn.dtype), dv, dg, dbeta,
                 dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None, None)
 
 
