@@ -4,6 +4,7 @@ and gradients on a small varlen batch.
 
     git archive <rev> kda | tar -x -C <dir>         (a folder per version; carry it to the GPU)
     python benchmarks/ab.py A=<dir> B=. [--modes fwd,fwdbwd] [--shapes 0,4] [--rounds 2]
+                            [--head-dims 128,64] [--dtype fp32]
 
 A folder holds a ``kda/`` package; ``.`` is the working tree. Each round starts one process per
 version, in the order given, and times every (mode, shape) with ``bench.py``'s ``do_bench``
@@ -26,6 +27,8 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent
 MODES = ('fwd', 'gate_fwd', 'fwdbwd', 'gate_fwdbwd')
+# --dtype: the inputs' dtype (q, k, v, and beta and the raw gate where bench.py gives them in bf16).
+DTYPES = {'bf16': 'bfloat16', 'fp32': 'float32'}
 
 
 def shapes():
@@ -36,7 +39,8 @@ def shapes():
     return out + [('varlen', 1, sum(VARLEN_LENGTHS), VARLEN_H, VARLEN_LENGTHS)]
 
 
-def worker(tree: str, modes: list[str], picked: list[int], save: str | None):
+def worker(tree: str, modes: list[str], picked: list[int], save: str | None, dims=(128, 128),
+           dtype: str = 'bf16'):
     """Times ``modes`` x ``picked`` shapes with the ``kda`` under ``tree``; prints one JSON line."""
     tree = str(Path(tree).resolve())
     sys.path.insert(0, tree)
@@ -47,12 +51,14 @@ def worker(tree: str, modes: list[str], picked: list[int], save: str | None):
     from kda import chunk_kda
     sys.path.insert(1, str(BENCHMARKS))
     from bench import _bench_setup, _chunk_inputs
+    dtype = getattr(torch, DTYPES[dtype])
     bench = _bench_setup(False)
     times = {}
     for mode in modes:
         for i in picked:
             name, B, T, H, lengths = shapes()[i]
-            inp, opts = _chunk_inputs(B, T, H, lengths, gate=mode.startswith('gate'))
+            inp, opts = _chunk_inputs(B, T, H, lengths, gate=mode.startswith('gate'), K=dims[0],
+                                      V=dims[1], dtype=dtype)
             if 'bwd' not in mode:
                 with torch.inference_mode():
                     ms = bench(lambda: chunk_kda(**inp, **opts))
@@ -71,7 +77,8 @@ def worker(tree: str, modes: list[str], picked: list[int], save: str | None):
     if save:
         out = {}
         for gate in (False, True):
-            inp, opts = _chunk_inputs(1, 3000, 8, [700, 1500, 800], gate=gate)
+            inp, opts = _chunk_inputs(1, 3000, 8, [700, 1500, 800], gate=gate, K=dims[0], V=dims[1],
+                                      dtype=dtype)
             with torch.inference_mode():
                 out[f'gate={gate} o inference'] = chunk_kda(**inp, **opts)[0]
             leaves = {n: x.detach().requires_grad_() for n, x in inp.items()}
@@ -96,6 +103,8 @@ def main(argv=None):
     p.add_argument('--modes', default=','.join(MODES))
     p.add_argument('--shapes', default=None, help='indices into the shape list (default: all)')
     p.add_argument('--rounds', type=int, default=2)
+    p.add_argument('--head-dims', default='128,128', metavar='K,V')
+    p.add_argument('--dtype', default='bf16', choices=sorted(DTYPES))
     p.add_argument('--worker', default=None, help=argparse.SUPPRESS)
     p.add_argument('--save', default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -104,8 +113,11 @@ def main(argv=None):
         p.error(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
     picked = (list(range(len(shapes()))) if args.shapes is None
               else [int(i) for i in args.shapes.split(',')])
+    dims = tuple(int(x) for x in args.head_dims.split(','))
+    if len(dims) != 2:
+        p.error(f"--head-dims takes K,V; got {args.head_dims!r}")
     if args.worker is not None:
-        return worker(args.worker, modes, picked, args.save)
+        return worker(args.worker, modes, picked, args.save, dims, args.dtype)
     if len(args.versions) < 2 or any('=' not in v for v in args.versions):
         p.error("give at least two versions as LABEL=DIR")
     versions = dict(v.split('=', 1) for v in args.versions)
@@ -115,7 +127,8 @@ def main(argv=None):
     for r in range(args.rounds):
         for label, tree in versions.items():
             cmd = [sys.executable, __file__, '--worker', tree, '--modes', ','.join(modes),
-                   '--shapes', ','.join(map(str, picked))]
+                   '--shapes', ','.join(map(str, picked)), '--head-dims', args.head_dims,
+                   '--dtype', args.dtype]
             if r == 0:
                 saves[label] = os.path.join(tmp, f'{label}.pt')
                 cmd += ['--save', saves[label]]

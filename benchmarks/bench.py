@@ -220,14 +220,14 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def _chunk_inputs(B, T, H, lengths=None, device='cuda', seed=0, gate=False):
-    """bf16 inputs, K = V = 128, q/k L2-normalized in the kernel. ``gate=False``: g pre-computed in
+def _chunk_inputs(B, T, H, lengths=None, device='cuda', seed=0, gate=False, K=HEAD_DIM, V=HEAD_DIM,
+                  dtype=torch.bfloat16):
+    """``dtype`` inputs (bf16 unless asked), K = V = 128 unless asked, q/k L2-normalized in the kernel. ``gate=False``: g pre-computed in
     float32, beta post-sigmoid. ``gate=True``: the Kimi Linear configuration of FLA's KDA layer:
     raw bf16 gate with A_log, dt_bias and the lower-bound gate (safe_gate, lower_bound=-5), and
     beta as logits (use_beta_sigmoid_in_kernel)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    K = V = HEAD_DIM
-    bf = torch.bfloat16
+    bf = dtype
 
     def rnd(*s, dtype=torch.float32):
         return torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dtype)
