@@ -30,7 +30,7 @@ from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import KernelGate, activate_beta, activate_gate
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd, l2norm_rstd
-from kda.ops.utils import cdiv, contiguous, fork, join, next_pow2, state_strides, use_kernels
+from kda.ops.utils import cdiv, contiguous, fork, join, mark, next_pow2, state_strides, use_kernels, wait
 from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
 from kda.reference import chunk_kda_reference
 
@@ -410,21 +410,18 @@ def stage1_buffers(B: int, T: int, HV: int, K: int, BT: int, device, dtype: torc
 
 
 def chunk_stage1(q, k, g, beta, scale, layout: ChunkLayout, gate: KernelGate | None,
-                 HV: int, matrices=None, out: Stage1 | None = None, norms=None) -> Stage1:
+                 HV: int, matrices=None, out: Stage1 | None = None) -> Stage1:
     """Cumulative decay and decayed keys / queries; with ``matrices`` (``(Aqk, Akk, Minv)`` of an
     earlier call on the same inputs) the pair products and the solve are not run again.
     ``gate``: ``g`` is the raw gate, activated in the first kernel. ``out``: tensors to write
-    into (``stage1_buffers``' shapes), else new ones. ``norms``: None, or the inverse norms
-    ``(rq, rk)`` (``[B, T, H]``) of raw q and k, which the pair products then normalize as they
-    load them (inference with ``use_qk_l2norm_in_kernel``; no call with ``matrices`` reads q or
-    k raw)."""
+    into (``stage1_buffers``' shapes), else new ones."""
     B, T, _, K = q.shape
     s1 = out if out is not None else stage1_buffers(B, T, HV, K, layout.BT, q.device, q.dtype,
                                                     matrices is None)
     stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=matrices is not None)
     if matrices is not None:
         return Stage1(s1.gc, s1.qt, s1.kbar, s1.kg, *matrices)
-    return stage1_matrices(q, k, beta, scale, layout, HV, s1, norms)
+    return stage1_matrices(q, k, beta, scale, layout, HV, s1)
 
 
 def stage1_cumsum(q, k, g, scale, layout: ChunkLayout, gate: KernelGate | None, HV: int, s1: Stage1,
@@ -444,7 +441,10 @@ def stage1_cumsum(q, k, g, scale, layout: ChunkLayout, gate: KernelGate | None, 
 def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
                     norms=None) -> Stage1:
     """The rest of the forward's stage 1 into ``s1``, on its cumulative decay: the pair products
-    (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``)."""
+    (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``). ``norms``:
+    None, or the inverse norms ``(rq, rk)`` (``[B, T, H]``) of raw q and k, which the pair
+    products then normalize as they load them (inference with ``use_qk_l2norm_in_kernel``,
+    ``inverse_norms``)."""
     _, T, H, K = q.shape
     BT = layout.BT
     dt = q.dtype
@@ -461,6 +461,26 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
         beta, s1.Akk, s1.Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen,
         **chunks, **launch_config('solve', K, K))
     return s1
+
+
+def inverse_norms(q, k, cut: int | None, device):
+    """Inference with ``use_qk_l2norm_in_kernel``: the inverse norms ``(rq, rk)`` of q and k
+    (``l2norm_rstd``), launched on a side stream (``fork``) so that they run beside the current
+    stream's cumsum, which does not read them, where they ran alone before it: the tokens before
+    ``cut`` first, then the rest (None: all at once). Returns ``((rq, rk), ready, side)``:
+    ``ready[i]`` the event after part i, for the current stream to ``wait`` on before the pair
+    products read that part's norms (None off CUDA, where launches run in order); ``side``
+    the stream, for a ``join`` where an error could leave them unwaited for."""
+    T = q.shape[1]
+    rq, rk = (torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) for _ in range(2))
+    parts = [slice(0, T)] if cut is None or cut >= T else [slice(0, cut), slice(cut, T)]
+    side = fork(device)
+    ready = []
+    with torch.cuda.stream(side):
+        for part in parts:
+            l2norm_rstd(q[:, part], k[:, part], out=(rq[:, part], rk[:, part]))
+            ready.append(mark(side))
+    return (rq, rk), ready, side
 
 
 # The forward in time segments (forward_segments): how many where the sweep has at most one
@@ -544,11 +564,12 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
-                  store_states: bool = False, norms=None):
+                  store_states: bool = False, l2norm: bool = False):
     """The forward: stage 1, then the fused state sweep and outputs
     (``kernels/chunk_state_output.py``). Returns ``(o, final_state, stage1, h)``: ``h`` the
-    float32 state entering every chunk with ``store_states``, else None. ``norms``: see
-    ``chunk_stage1``.
+    float32 state entering every chunk with ``store_states``, else None. ``l2norm`` (inference
+    with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products normalize their
+    rows by the inverse norms (``inverse_norms``, beside the cumsum).
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
@@ -581,21 +602,26 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             **head_dims(q, v, part_layout, cu_seqlens))
 
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
-    if segments is None:
-        s1 = chunk_stage1(q, k, g, beta, scale, layout, gate, HV, norms=norms)
-        sweep(s1, slice(0, T), layout, initial_state, final_state)
-        return o, final_state, s1, h
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
-    cumsum_first = busy_sweep(HV, K, V, dev)
-    if cumsum_first:
-        # The cumulative decay of every segment first, alone: beside a sweep the raw gate's build
-        # slowed most (H200, (1, 8192, 96), 2 segments: Kimi forward 1.923 ms against 1.813 with
-        # g pre-computed; whole 1.952 / 1.925). With few sweep programs the sweeps set the time
-        # and must start early: there it costs ~0.15 ms (forward_segments).
-        stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
-    carried = torch.empty(shape, dtype=torch.float32, device=dev)
-    side = None
+    norms, ready, side = None, [], None
+    if l2norm:
+        norms, ready, side = inverse_norms(q, k, None if segments is None else segments[0][1], dev)
     try:
+        if segments is None:
+            stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
+            if ready:
+                wait(ready[0], dev)
+            stage1_matrices(q, k, beta, scale, layout, HV, s1, norms)
+            sweep(s1, slice(0, T), layout, initial_state, final_state)
+            return o, final_state, s1, h
+        cumsum_first = busy_sweep(HV, K, V, dev)
+        if cumsum_first:
+            # The cumulative decay of every segment first, alone: beside a sweep the raw gate's
+            # build slowed most (H200, (1, 8192, 96), 2 segments: Kimi forward 1.923 ms against
+            # 1.813 with g pre-computed; whole 1.952 / 1.925). With few sweep programs the sweeps
+            # set the time and must start early: there it costs ~0.15 ms (forward_segments).
+            stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
+        carried = torch.empty(shape, dtype=torch.float32, device=dev)
         for i, (t0, t1) in enumerate(segments):
             part = slice(t0, t1)
             part_layout = chunk_layout(B, t1 - t0, layout.BT, None, None)
@@ -603,6 +629,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             if not cumsum_first:
                 stage1_cumsum(q[:, part], k[:, part], g[:, part], scale, part_layout, gate, HV, s1_part,
                               decayed=False)
+            if i < len(ready):
+                wait(ready[i], dev)
             stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, part_layout, HV, s1_part,
                             None if norms is None else tuple(r[:, part] for r in norms))
             side = fork(dev)
@@ -610,7 +638,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
                 sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
                       final_state if i == len(segments) - 1 else carried)
     finally:
-        # Also on an error: the sweeps read tensors the current stream would otherwise free.
+        # Also on an error: the norms and the sweeps read and write tensors the current stream
+        # would otherwise free. (Without an error the current stream has waited for the norms
+        # already, so in one pass this adds nothing.)
         join(side)
     return o, final_state, s1, h
 
@@ -889,10 +919,10 @@ def chunk_kda(
         # scale the raw rows as they load them, in float32 (16-bit inputs: the training
         # forward's outputs to the last bits, which it rounds the normalized rows to; float32
         # inputs: the same bits).
-        norms = l2norm_rstd(q, k) if use_qk_l2norm_in_kernel else None
         o, final_state, _, h = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
-            cu_seqlens, layout, gate, store_states=return_intermediate_states, norms=norms)
+            cu_seqlens, layout, gate, store_states=return_intermediate_states,
+            l2norm=use_qk_l2norm_in_kernel)
         if not return_intermediate_states:
             return o, final_state
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
