@@ -684,7 +684,9 @@ def test_segmented_forward(monkeypatch, case):
     kernel, no final state (the last segment stores none), under no_grad. 'busy': a GPU of 4 SMs,
     which the sweep's 4 programs (4 heads, one value slice) leave busy (``busy_sweep``): the
     cumsum runs for the whole sequence first, then 3 segments. 'BT32': 32-token chunks, half the
-    interpreter's time for as many chunks."""
+    interpreter's time for as many chunks. Inference ('inference') forms the inverse norms of q and
+    k for the first segment's tokens, then for the rest (``inverse_norms``, on a side stream on
+    the GPU); training normalizes q and k in a pass of its own and forms none there."""
     T = int(case.split('-')[0][1:])
     BT = 32 if 'BT32' in case else 64
     dtype = torch.float32 if 'fp32' in case else torch.float16
@@ -706,6 +708,8 @@ def test_segmented_forward(monkeypatch, case):
     monkeypatch.setattr(chunk_mod, 'stage1_cumsum',
                         lambda q, *a, decayed: cumsums.append((q.shape[1], decayed)) or cumsum(q, *a, decayed=decayed))
     monkeypatch.setattr(chunk_mod, 'stage1_matrices', lambda q, *a: matrices.append(q.shape[1]) or rest(q, *a))
+    cuts, inverse_norms = [], chunk_mod.inverse_norms
+    monkeypatch.setattr(chunk_mod, 'inverse_norms', lambda q, k, cut, dev: cuts.append(cut) or inverse_norms(q, k, cut, dev))
 
     def run():
         if not final:
@@ -728,9 +732,30 @@ def test_segmented_forward(monkeypatch, case):
     lengths = [t1 - t0 for t0, t1 in seen[-1]]
     assert [n for n, decayed in cumsums if not decayed] == ([T] if busy else lengths), cumsums
     assert matrices == lengths, matrices
+    assert cuts == ([seen[-1][0][1]] if 'inference' in case else []), cuts
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
     for name, a, b in zip(['o', 'ht', *x, 'h0'], got, run()):
         assert torch.equal(a, b), name
+    assert cuts[1:] == ([None] if 'inference' in case else []), cuts
+
+
+@requires_kernels
+def test_inverse_norms_in_parts():
+    """``inverse_norms`` cut at a token: the inverse norms of both parts are those of one
+    ``l2norm_rstd`` over the whole tensors, bit for bit (each row's norm is its own), every entry
+    written (the buffers are new; NaN-poisoned ones would show a row left out)."""
+    q, k = (torch.randn(1, 100, 3, 60, dtype=torch.float16, device=KDEV) for _ in range(2))
+    whole = chunk_mod.l2norm_rstd(q, k)
+    for cut in (None, 64, 99, 100):
+        (rq, rk), ready, side = chunk_mod.inverse_norms(q, k, cut, q.device)
+        for e in ready:
+            chunk_mod.wait(e, q.device)
+        assert len(ready) == (1 if cut in (None, 100) else 2)
+        assert torch.equal(rq, whole[0]) and torch.equal(rk, whole[1]), cut
+    out = tuple(torch.full((1, 100, 3), float('nan'), device=KDEV) for _ in range(2))
+    chunk_mod.l2norm_rstd(q[:, :37], k[:, :37], out=tuple(r[:, :37] for r in out))
+    chunk_mod.l2norm_rstd(q[:, 37:], k[:, 37:], out=tuple(r[:, 37:] for r in out))
+    assert torch.equal(out[0], whole[0]) and torch.equal(out[1], whole[1])
 
 
 @requires_kernels
