@@ -153,7 +153,11 @@ TUNING = {
     # Transposed (chunk_state.py), sweep in the ninth session: 0.387 / 0.728 (8 warps 0.695, 32-wide
     # 0.655, 2 stages 0.545).
     # Since 12f955c (c's last row loaded at the top of the step) this build spills 92 B a thread
-    # with 16-bit inputs (ptxas, triton 3.6; it took 16-bit V <= 64 and float32): not timed.
+    # with 16-bit inputs (ptxas, triton 3.6; it takes 16-bit V <= 64 and float32). Timed at
+    # V = 64, bf16 (twenty-third session, ab.py, one round, forward ms): 5b824f3 -> 3037549
+    # (12f955c and the float32 beta, 3dd9046) 1.082 -> 1.060 at (8, 4096, 16), 2.156 -> 2.101 at
+    # (4, 8192, 32); Kimi 1.056 -> 1.037, 2.087 -> 2.042: the spills cost less than the load
+    # gained. float32 inputs: not timed.
     'state_output': dict(BV=64, num_warps=4, num_stages=1),
     # H200 sweep at 2054ac8: 0.47 / 0.91 ms at (8, 4096, 16) / (1, 8192, 96) against 0.62 / 1.28
     # with 8 warps; with fewer programs than SMs see FEW_PROGRAMS.
