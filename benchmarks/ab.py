@@ -39,8 +39,8 @@ def shapes():
     return out + [('varlen', 1, sum(VARLEN_LENGTHS), VARLEN_H, VARLEN_LENGTHS)]
 
 
-def worker(tree: str, modes: list[str], picked: list[int], save: str | None, dims=(128, 128),
-           dtype: str = 'bf16'):
+def worker(tree: str, modes: list[str], picked: list[int], save: str | None,
+           dims: tuple[int, int] = (128, 128), dtype: str = 'bf16'):
     """Times ``modes`` x ``picked`` shapes with the ``kda`` under ``tree``; prints one JSON line."""
     tree = str(Path(tree).resolve())
     sys.path.insert(0, tree)
@@ -113,9 +113,12 @@ def main(argv=None):
         p.error(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
     picked = (list(range(len(shapes()))) if args.shapes is None
               else [int(i) for i in args.shapes.split(',')])
-    dims = tuple(int(x) for x in args.head_dims.split(','))
+    try:
+        dims = tuple(int(x) for x in args.head_dims.split(','))
+    except ValueError:
+        dims = ()
     if len(dims) != 2:
-        p.error(f"--head-dims takes K,V; got {args.head_dims!r}")
+        p.error(f"--head-dims takes two integers K,V; got {args.head_dims!r}")
     if args.worker is not None:
         return worker(args.worker, modes, picked, args.save, dims, args.dtype)
     if len(args.versions) < 2 or any('=' not in v for v in args.versions):

@@ -222,28 +222,28 @@ def _free():
 
 def _chunk_inputs(B, T, H, lengths=None, device='cuda', seed=0, gate=False, K=HEAD_DIM, V=HEAD_DIM,
                   dtype=torch.bfloat16):
-    """``dtype`` inputs (bf16 unless asked), K = V = 128 unless asked, q/k L2-normalized in the kernel. ``gate=False``: g pre-computed in
-    float32, beta post-sigmoid. ``gate=True``: the Kimi Linear configuration of FLA's KDA layer:
-    raw bf16 gate with A_log, dt_bias and the lower-bound gate (safe_gate, lower_bound=-5), and
-    beta as logits (use_beta_sigmoid_in_kernel)."""
+    """Inputs of ``dtype`` (default bf16), head dims K, V (default 128), q/k L2-normalized in the
+    kernel. ``gate=False``: g pre-computed in float32, beta post-sigmoid. ``gate=True``: the Kimi
+    Linear configuration of FLA's KDA layer: the raw gate (in ``dtype``) with A_log, dt_bias and
+    the lower-bound gate (safe_gate, lower_bound=-5), and beta as logits
+    (use_beta_sigmoid_in_kernel)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    bf = dtype
 
     def rnd(*s, dtype=torch.float32):
         return torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
     inp = dict(
-        q=rnd(B, T, H, K, dtype=bf),
-        k=rnd(B, T, H, K, dtype=bf),
-        v=rnd(B, T, H, V, dtype=bf),
+        q=rnd(B, T, H, K, dtype=dtype),
+        k=rnd(B, T, H, K, dtype=dtype),
+        v=rnd(B, T, H, V, dtype=dtype),
         # per-channel log-decay in (-inf, 0), mostly in [-1, 0)
         g=(F.logsigmoid(rnd(B, T, H, K) + 3.0) * 2.0).contiguous(),
-        beta=torch.sigmoid(rnd(B, T, H)).to(bf),
+        beta=torch.sigmoid(rnd(B, T, H)).to(dtype),
     )
     opts = dict(use_qk_l2norm_in_kernel=True)
     if gate:
-        inp['g'] = rnd(B, T, H, K, dtype=bf)
-        inp['beta'] = rnd(B, T, H, dtype=bf)
+        inp['g'] = rnd(B, T, H, K, dtype=dtype)
+        inp['beta'] = rnd(B, T, H, dtype=dtype)
         opts.update(use_gate_in_kernel=True, A_log=torch.log(torch.rand(H, generator=gen, device=device) * 15 + 1),
                     dt_bias=rnd(H * K) * 0.1, safe_gate=True, lower_bound=-5.0,
                     use_beta_sigmoid_in_kernel=True)

@@ -675,7 +675,7 @@ def test_forward_segments(monkeypatch):
 
 @requires_kernels
 @pytest.mark.parametrize('case', ['T100-BT32-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference',
-                                  'T100-BT32-gate-busy'])
+                                  'T100-BT32-gate-busy', 'T100-BT32-busy-nofinal-inference'])
 def test_segmented_forward(monkeypatch, case):
     """The forward in time segments (forced by claiming a huge GPU, at a length the launcher would
     leave whole): outputs, final state and every gradient bit for bit those of the forward in one
@@ -707,9 +707,15 @@ def test_segmented_forward(monkeypatch, case):
     cumsum, rest = chunk_mod.stage1_cumsum, chunk_mod.stage1_matrices
     monkeypatch.setattr(chunk_mod, 'stage1_cumsum',
                         lambda q, *a, decayed: cumsums.append((q.shape[1], decayed)) or cumsum(q, *a, decayed=decayed))
-    monkeypatch.setattr(chunk_mod, 'stage1_matrices', lambda q, *a: matrices.append(q.shape[1]) or rest(q, *a))
+    # The launch order: each part's norms are waited for before the pair products that read them
+    # (the events are None off CUDA, so they are labelled here).
+    order, labels = [], iter(range(99))
+    monkeypatch.setattr(chunk_mod, 'mark', lambda side: f'norms {next(labels)}')
+    monkeypatch.setattr(chunk_mod, 'wait', lambda event, dev: order.append(event))
+    monkeypatch.setattr(chunk_mod, 'stage1_matrices',
+                        lambda q, *a: matrices.append(q.shape[1]) or order.append(q.shape[1]) or rest(q, *a))
     cuts, inverse_norms = [], chunk_mod.inverse_norms
-    monkeypatch.setattr(chunk_mod, 'inverse_norms', lambda q, k, cut, dev: cuts.append(cut) or inverse_norms(q, k, cut, dev))
+    monkeypatch.setattr(chunk_mod, 'inverse_norms', lambda q, k, cut: cuts.append(cut) or inverse_norms(q, k, cut))
 
     def run():
         if not final:
@@ -733,6 +739,7 @@ def test_segmented_forward(monkeypatch, case):
     assert [n for n, decayed in cumsums if not decayed] == ([T] if busy else lengths), cumsums
     assert matrices == lengths, matrices
     assert cuts == ([seen[-1][0][1]] if 'inference' in case else []), cuts
+    assert order == (['norms 0', lengths[0], 'norms 1', *lengths[1:]] if 'inference' in case else lengths), order
     monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
     for name, a, b in zip(['o', 'ht', *x, 'h0'], got, run()):
         assert torch.equal(a, b), name
@@ -747,7 +754,7 @@ def test_inverse_norms_in_parts():
     q, k = (torch.randn(1, 100, 3, 60, dtype=torch.float16, device=KDEV) for _ in range(2))
     whole = chunk_mod.l2norm_rstd(q, k)
     for cut in (None, 64, 99, 100):
-        (rq, rk), ready, side = chunk_mod.inverse_norms(q, k, cut, q.device)
+        (rq, rk), ready, side = chunk_mod.inverse_norms(q, k, cut)
         for e in ready:
             chunk_mod.wait(e, q.device)
         assert len(ready) == (1 if cut in (None, 100) else 2)

@@ -467,14 +467,16 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
     return s1
 
 
-def inverse_norms(q, k, cut: int | None, device):
+def inverse_norms(q, k, cut: int | None):
     """Inference with ``use_qk_l2norm_in_kernel``: the inverse norms ``(rq, rk)`` of q and k
     (``l2norm_rstd``), launched on a side stream (``fork``) so that they run beside the current
     stream's cumsum, which does not read them, where they ran alone before it: the tokens before
-    ``cut`` first, then the rest (None: all at once). Returns ``((rq, rk), ready, side)``:
+    ``cut`` first, then the rest (None: all at once; a cut needs B = 1, whose token ranges are
+    contiguous views, as in the segmented forward). Returns ``((rq, rk), ready, side)``:
     ``ready[i]`` the event after part i, for the current stream to ``wait`` on before the pair
     products read that part's norms (None off CUDA, where launches run in order); ``side``
-    the stream, for a ``join`` where an error could leave them unwaited for.
+    the stream, for a ``join`` where a later error could leave them unwaited for (an error in
+    here joins it before it propagates).
 
     H200, bf16, K = V = 128, inference forward against the norms alone first (ab.py, one round,
     twenty-third session): g pre-computed -0.005 / +0.000 / -0.006 / -0.014 / -0.011 ms, Kimi
@@ -485,12 +487,17 @@ def inverse_norms(q, k, cut: int | None, device):
     T = q.shape[1]
     rq, rk = (torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) for _ in range(2))
     parts = [slice(0, T)] if cut is None or cut >= T else [slice(0, cut), slice(cut, T)]
-    side = fork(device)
+    side = fork(q.device)
     ready = []
-    with torch.cuda.stream(side):
-        for part in parts:
-            l2norm_rstd(q[:, part], k[:, part], out=(rq[:, part], rk[:, part]))
-            ready.append(mark(side))
+    try:
+        with torch.cuda.stream(side):
+            for part in parts:
+                l2norm_rstd(q[:, part], k[:, part], out=(rq[:, part], rk[:, part]))
+                ready.append(mark(side))
+    except BaseException:
+        # A part may be running: rq and rk must not go back to the current stream's pool first.
+        join(side)
+        raise
     return (rq, rk), ready, side
 
 
@@ -614,14 +621,14 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
-    norms, ready, side = None, [], None
+    norms, ready, norms_side, side = None, [], None, None
     if l2norm:
-        norms, ready, side = inverse_norms(q, k, None if segments is None else segments[0][1], dev)
+        norms, ready, norms_side = inverse_norms(q, k, None if segments is None else segments[0][1])
     try:
         if segments is None:
             stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
-            if ready:
-                wait(ready[0], dev)
+            for event in ready:
+                wait(event, dev)
             stage1_matrices(q, k, beta, scale, layout, HV, s1, norms)
             sweep(s1, slice(0, T), layout, initial_state, final_state)
             return o, final_state, s1, h
@@ -650,8 +657,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
                       final_state if i == len(segments) - 1 else carried)
     finally:
         # Also on an error: the norms and the sweeps read and write tensors the current stream
-        # would otherwise free. (Without an error the current stream has waited for the norms
-        # already, so in one pass this adds nothing.)
+        # would otherwise free. (fork hands out one side stream, so the two joins wait for the
+        # same stream; without an error the current stream has waited for the norms already.)
+        join(norms_side)
         join(side)
     return o, final_state, s1, h
 

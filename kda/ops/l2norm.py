@@ -30,18 +30,22 @@ def l2norm_fwd(q: torch.Tensor, k: torch.Tensor) -> tuple[tuple[torch.Tensor, to
     return (qn, rq), (kn, rk)
 
 
-def l2norm_rstd(q: torch.Tensor, k: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+def l2norm_rstd(q: torch.Tensor, k: torch.Tensor,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rq, rk)`` of ``l2norm_fwd``, the same bits, without forming qn and kn; into ``out``
     (contiguous float32 ``(rq, rk)``) when given. Each row's norm is its own: any cut of the rows
     into several calls gives the same bits."""
     return _forward(q, k, None, None, out)
 
 
-def _forward(q, k, qn, kn, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, qn, kn, out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward kernel, writing qn, kn unless None; returns the inverse norms (``out``
     if given)."""
     D = q.shape[-1]
-    rq, rk = out or (torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) for _ in range(2))
+    if out is None:
+        out = tuple(torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) for _ in range(2))
+    rq, rk = out
     l2norm_fwd_kernel[_grid(q)](q, qn, rq, k, kn, rk, q.numel() // D, D=D, BR=ROWS, BD=next_pow2(D))
     return rq, rk
 
