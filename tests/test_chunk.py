@@ -1918,3 +1918,34 @@ def test_saved_for_backward(gate, dtype):
     raw = {leaves[n].untyped_storage().data_ptr() for n in ('q', 'k')}
     assert not raw & saved.keys(), "the raw q and k are kept beside the normalized ones"
     o.sum().backward()                       # the graph is usable
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+def test_cuda_tensors_on_a_device_not_current(monkeypatch):
+    """Tensors on cuda:1 while cuda:0 is the current device (Triton launches on the current
+    device: ``on_q_device`` makes q's current for the call): chunk_kda's inference forward (in
+    time segments, forced, so with the norms and the sweeps on a side stream) and its forward +
+    backward, and a fused_recurrent_kda step, give on cuda:1 the bits they give on cuda:0, and
+    leave cuda:0 current."""
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    x0 = make_inputs(1, 300, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda:0', normalize_k=False)
+    h0 = make_state(1, 4, 128, 128, device='cuda:0')
+
+    def run(xs, state):
+        with torch.no_grad():
+            o, ht = chunk_kda(**xs, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            od, hd = fused_recurrent_kda(**{n: t[:, :1] for n, t in xs.items()}, initial_state=state,
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        leaves = {n: t.clone().requires_grad_() for n, t in xs.items()}
+        ot, htt = chunk_kda(**leaves, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        (ot.float().square().sum() + htt.sum()).backward()
+        return [o, ht, od, hd, ot, htt] + [t.grad for t in leaves.values()]
+
+    torch.cuda.set_device(0)
+    expected = run(x0, h0)
+    got = run({n: t.to('cuda:1') for n, t in x0.items()}, h0.to('cuda:1'))
+    torch.cuda.synchronize('cuda:1')
+    assert torch.cuda.current_device() == 0
+    for a, b in zip(expected, got):
+        assert b.device == torch.device('cuda:1') and torch.equal(a, b.to('cuda:0'))

@@ -30,7 +30,8 @@ from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import KernelGate, activate_beta, activate_gate
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd, l2norm_rstd
-from kda.ops.utils import cdiv, contiguous, fork, join, mark, next_pow2, state_strides, use_kernels, wait
+from kda.ops.utils import (cdiv, contiguous, fork, join, mark, next_pow2, on_q_device, state_strides,
+                           use_kernels, wait)
 from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
 from kda.reference import chunk_kda_reference
 
@@ -854,6 +855,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                 dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None, None)
 
 
+@on_q_device
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,

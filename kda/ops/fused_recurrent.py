@@ -5,7 +5,7 @@ import torch
 
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
 from kda.ops.gate import activate_beta, activate_gate
-from kda.ops.utils import cdiv, contiguous, next_pow2, state_strides, use_kernels
+from kda.ops.utils import cdiv, contiguous, next_pow2, on_q_device, state_strides, use_kernels
 from kda.ops.validation import (_expect_shape, _expect_tensor, _expect_bool,
                                 validate_activations, validate_inputs, validate_state)
 from kda.reference import naive_recurrent_kda
@@ -85,6 +85,7 @@ def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
 DECODE_TUNING = dict(BV=32, num_warps=4)
 
 
+@on_q_device
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,

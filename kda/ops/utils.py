@@ -1,6 +1,7 @@
 """Small helpers shared by the launchers."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -26,6 +27,20 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int, minimum: int = 16) -> int:
     """Block size covering ``n``; at least 16 so that ``tl.dot`` accepts it."""
     return max(1 << (n - 1).bit_length(), minimum)
+
+
+def on_q_device(fn):
+    """``fn(q, ...)`` run with q's CUDA device as the current device. Triton launches a kernel on
+    the current device and its current stream, whatever device the pointers belong to, so a
+    caller whose tensors live on cuda:1 while cuda:0 is current would get kernels on the wrong
+    device (a fault, or with peer access a launch unordered with the caller's stream on cuda:1).
+    Anything but a CUDA tensor q (validation then names the error) runs as is."""
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        guard = torch.cuda.device(q.device) if isinstance(q, torch.Tensor) and q.is_cuda else contextlib.nullcontext()
+        with guard:
+            return fn(q, *args, **kwargs)
+    return wrapper
 
 
 def contiguous(*xs):
