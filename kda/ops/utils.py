@@ -1,7 +1,6 @@
 """Small helpers shared by the launchers."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -34,12 +33,15 @@ def on_q_device(fn):
     the current device and its current stream, whatever device the pointers belong to, so a
     caller whose tensors live on cuda:1 while cuda:0 is current would get kernels on the wrong
     device (a fault, or with peer access a launch unordered with the caller's stream on cuda:1).
-    Anything but a CUDA tensor q (validation then names the error) runs as is."""
+    Anything but a CUDA tensor q (validation then names the error) runs as is, and so does a call
+    on the current device: two device queries, where entering and leaving ``torch.cuda.device``
+    every call would add its device switches to a decode step's host path."""
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
-        guard = torch.cuda.device(q.device) if isinstance(q, torch.Tensor) and q.is_cuda else contextlib.nullcontext()
-        with guard:
-            return fn(q, *args, **kwargs)
+        if isinstance(q, torch.Tensor) and q.is_cuda and q.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(q.device):
+                return fn(q, *args, **kwargs)
+        return fn(q, *args, **kwargs)
     return wrapper
 
 
