@@ -51,7 +51,9 @@ start=$(date +%s)
 pids=()
 if [ "${TEST_SECONDS:-300}" != 0 ]; then
     for i in $(seq 0 $((SHARDS - 1))); do
-        CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${TEST_SECONDS:-300}" python3 -m pytest -q \
+        # -v: a line a test as it ends, so that a shard cut by the timeout still says which of
+        # its tests passed (with -q a cut shard left nothing: twenty-third session, call 1).
+        CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${TEST_SECONDS:-300}" python3 -m pytest -v \
             -p no:cacheprovider --durations=3 --shard "$i/$SHARDS" tests > "$OUT/pytest.$i.log" 2>&1 &
         pids+=($!)
     done
@@ -79,7 +81,10 @@ if [ "$FLA" = 1 ] && [ "${WARM_SECONDS:-300}" != 0 ]; then
 fi
 if compgen -G "$OUT/pytest.*.log" > /dev/null; then
     cat "$OUT"/pytest.*.log > "$OUT/pytest.log" && rm "$OUT"/pytest.*.log
-    grep -hE "^[0-9]+ (passed|failed)|^(FAILED|ERROR)|Timeout|Terminated" "$OUT/pytest.log"
+    grep -hE "(passed|failed).* in [0-9.]+s|^(FAILED|ERROR)|Timeout|Terminated" "$OUT/pytest.log"
+    echo "tests: $(grep -c ' PASSED' "$OUT/pytest.log") passed, $(grep -c ' SKIPPED' "$OUT/pytest.log") skipped," \
+        "$(grep -cE ' (FAILED|ERROR)' "$OUT/pytest.log") failed (per-test lines, cut shards included);" \
+        "$(grep -cE '(passed|failed).* in [0-9.]+s' "$OUT/pytest.log") of $SHARDS shards finished"
 fi
 if compgen -G "$OUT/warm.*.log" > /dev/null; then
     cat "$OUT"/warm.*.log > "$OUT/warm.log" && rm "$OUT"/warm.*.log
