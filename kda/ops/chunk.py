@@ -658,10 +658,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
                       final_state if i == len(segments) - 1 else carried)
     finally:
         # Also on an error: the norms and the sweeps read and write tensors the current stream
-        # would otherwise free. (fork hands out one side stream, so the two joins wait for the
-        # same stream; without an error the current stream has waited for the norms already.)
-        join(norms_side)
-        join(side)
+        # would otherwise free. fork hands out one side stream a device, so the sweeps' stream,
+        # once forked, is the norms' too: one join waits for both.
+        join(side if side is not None else norms_side)
     return o, final_state, s1, h
 
 
