@@ -568,16 +568,23 @@ def forward_segments(B: int, T: int, HV: int, K: int, V: int, layout: ChunkLayou
     programs, sms = sweep_programs('state_output', K, V, HV), sm_count(device)
     if programs >= 2 * sms:
         return None
-    S = min(BUSY_SWEEP_SEGMENTS if busy_sweep(HV, K, V, device) else FORWARD_SEGMENTS, layout.NT)
-    ratio = min(1.0, max(0.6, SEGMENT_BALANCE / HV))
+    S = BUSY_SWEEP_SEGMENTS if busy_sweep(HV, K, V, device) else FORWARD_SEGMENTS
+    return segment_bounds(T, layout.BT, S, min(1.0, max(0.6, SEGMENT_BALANCE / HV)))
+
+
+def segment_bounds(T: int, BT: int, segments: int, ratio: float) -> list[tuple[int, int]]:
+    """``[t0, t1)`` of ``segments`` segments (at most one a chunk) of a ``T``-token sequence in
+    whole ``BT``-token chunks, each ``ratio`` times as long as the one before it: one chunk each,
+    the others shared by weight ``ratio ** i``, rounded down, what rounding left one each to the
+    first segments (``forward_segments``; ``benchmarks/sweep_segments.py`` times others)."""
+    NT = cdiv(T, BT)
+    S = min(segments, NT)
     weights = [ratio ** i for i in range(S)]
-    # Whole chunks a segment: one each, the others shared by weight, rounded down, what rounding
-    # left one each to the first segments; the counts never grow from one segment to the next.
-    counts = [1 + int((layout.NT - S) * w / sum(weights)) for w in weights]
-    for i in range(layout.NT - sum(counts)):
+    counts = [1 + int((NT - S) * w / sum(weights)) for w in weights]
+    for i in range(NT - sum(counts)):
         counts[i] += 1
     ends = list(itertools.accumulate(counts))
-    bounds = [0, *(layout.BT * e for e in ends[:-1]), T]
+    bounds = [0, *(BT * e for e in ends[:-1]), T]
     return list(zip(bounds, bounds[1:]))
 
 
