@@ -473,7 +473,8 @@ def inverse_norms(q, k, cut: int | None):
     (``l2norm_rstd``), launched on a side stream (``fork``) so that they run beside the current
     stream's cumsum, which does not read them, where they ran alone before it: the tokens before
     ``cut`` first, then the rest (None: all at once; a cut needs B = 1, whose token ranges are
-    contiguous views, as in the segmented forward). Returns ``((rq, rk), ready, side)``:
+    contiguous views, as in the segmented forward, which cuts at whole chunks: there the bits are
+    those of one call, see ``l2norm_rstd``). Returns ``((rq, rk), ready, side)``:
     ``ready[i]`` the event after part i, for the current stream to ``wait`` on before the pair
     products read that part's norms (None off CUDA, where launches run in order); ``side``
     the stream, for a ``join`` where a later error could leave them unwaited for (an error in
