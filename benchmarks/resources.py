@@ -96,7 +96,7 @@ KERNELS = {
     # over.
     'state_output_few': (chunk_state_output_fwd_kernel,
                          dict(BK=128, BV=32, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, STORE_STATES=False),
-                         dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}), [(4, 2, None)]),
+                         dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}), [(4, 2, None), (4, 2, 192), (4, 1, 192), (4, 1, None)]),
     # WIDE_SLICES (kda/ops/chunk.py): one 128-wide slice a head.
     'state_output_wide': (chunk_state_output_fwd_kernel,
                           dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
