@@ -93,10 +93,11 @@ KERNELS = {
                      dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                      dict(absent=OPTIONAL | {'h'}), [(4, 1, None), (8, 1, None), (4, 2, None)]),
     # FEW_PROGRAMS (kda/ops/chunk.py): 32-wide slices, 2 stages; with the states a segment hands
-    # over.
+    # over. Capped at 192 registers (5 pair-product programs fit beside it): measured slower
+    # (BENCHMARKS.md note 133).
     'state_output_few': (chunk_state_output_fwd_kernel,
                          dict(BK=128, BV=32, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, STORE_STATES=False),
-                         dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}), [(4, 2, None), (4, 2, 192), (4, 1, 192), (4, 1, None)]),
+                         dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}), [(4, 2, None), (4, 2, 192)]),
     # WIDE_SLICES (kda/ops/chunk.py): one 128-wide slice a head.
     'state_output_wide': (chunk_state_output_fwd_kernel,
                           dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
