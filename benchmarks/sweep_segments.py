@@ -16,6 +16,7 @@ torch.profiler saw them: stream, start and end in us from the first kernel's sta
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -42,10 +43,26 @@ def main(argv=None):
     args = p.parse_args(argv)
     schedules = [('lib', None)] + [(f'{s}x{r}', (int(s), float(r)))
                                    for s in args.segments.split(',') for r in args.ratios.split(',')]
+    shapes = [tuple(int(x) for x in shape.split(',')) for shape in args.shapes]
+    if any(B != 1 for B, _, _ in shapes):
+        p.error('the forward is segmented for one sequence only: give shapes with B = 1')
     bench = _bench_setup(False)
     library = chunk_ops.forward_segments
-    for shape in args.shapes:
-        B, T, H = (int(x) for x in shape.split(','))
+    try:
+        run(args, schedules, shapes, bench, library)
+    finally:
+        chunk_ops.forward_segments = library
+
+
+def schedule(sched, B, T, HV, K, V, layout, *rest):
+    """``forward_segments``' stand-in: ``sched = (segments, ratio)`` for ``segment_bounds``."""
+    return chunk_ops.segment_bounds(T, layout.BT, *sched)
+
+
+def run(args, schedules, shapes, bench, library):
+    """Times every schedule at every shape (``main``, which restores ``forward_segments``)."""
+    for B, T, H in shapes:
+        shape = f'{B},{T},{H}'
         if args.timeline:
             timeline(B, T, H)
         for gate in (False, True):
@@ -54,8 +71,8 @@ def main(argv=None):
             ref = None
             for _ in range(args.rounds):
                 for name, sched in schedules:
-                    chunk_ops.forward_segments = library if sched is None else (
-                        lambda B, T, HV, K, V, layout, *a, sched=sched: chunk_ops.segment_bounds(T, layout.BT, *sched))
+                    chunk_ops.forward_segments = library if sched is None else functools.partial(
+                        schedule, sched)
                     with torch.inference_mode():
                         o = chunk_kda(**inp, **opts)[0]
                         if ref is None:
@@ -65,8 +82,9 @@ def main(argv=None):
                         times[name].append(bench(lambda: chunk_kda(**inp, **opts)))
             chunk_ops.forward_segments = library
             base = sum(times['lib']) / len(times['lib'])
-            print(f'## ({shape}) {"Kimi" if gate else "g pre-computed"}: lib {base:.3f} ms '
-                  f'({library(B, T, H, 128, 128, chunk_ops.chunk_layout(B, T, 64, None, None), None, False, inp["q"].device)})')
+            picked = library(B, T, H, 128, 128, chunk_ops.chunk_layout(B, T, 64, None, None), None, False,
+                             inp['q'].device)
+            print(f'## ({shape}) {"Kimi" if gate else "g pre-computed"}: lib {base:.3f} ms ({picked})')
             for name, ts in sorted(times.items(), key=lambda kv: sum(kv[1])):
                 ms = sum(ts) / len(ts)
                 print(f'{name:>8} {ms:.3f} ms ({ms - base:+.3f})  rounds ' + ' '.join(f'{t:.3f}' for t in ts))

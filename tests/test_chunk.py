@@ -752,8 +752,9 @@ def test_inverse_norms_in_parts():
     both parts are those of one ``l2norm_rstd`` over the whole tensors, bit for bit (each row's
     norm is its own, and every part starts as aligned as the whole). A cut elsewhere may change
     the last bits on the GPU (``l2norm_rstd``; the twenty-fourth session's GPU suite found it at a
-    cut of 99 tokens): there the parts must agree to float32 rounding. Every entry is written
-    (the buffers are new; NaN-poisoned ones would show a row left out)."""
+    cut of 99 tokens): there the parts must agree to float32 rounding. Every entry is written:
+    a round's buffers are NaN-poisoned before the next round may get their memory, and the
+    parts of ``l2norm_rstd`` write into NaN-poisoned ones."""
     T = 200
     q, k = (torch.randn(1, T, 3, 60, dtype=torch.float16, device=KDEV) for _ in range(2))
     whole = chunk_mod.l2norm_rstd(q, k)
@@ -763,6 +764,10 @@ def test_inverse_norms_in_parts():
             chunk_mod.wait(e, q.device)
         assert len(ready) == (1 if cut in (None, T) else 2)
         assert torch.equal(rq, whole[0]) and torch.equal(rk, whole[1]), cut
+        # Poisoned before they go back to the allocator: the next round's new buffers may be
+        # these, and a part it left unwritten must not pass on this round's values.
+        rq.fill_(float('nan'))
+        rk.fill_(float('nan'))
     for cut, exact in ((64, True), (37, False)):
         out = tuple(torch.full((1, T, 3), float('nan'), device=KDEV) for _ in range(2))
         chunk_mod.l2norm_rstd(q[:, :cut], k[:, :cut], out=tuple(r[:, :cut] for r in out))
