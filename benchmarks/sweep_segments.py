@@ -10,8 +10,10 @@ inference forward is timed (``bench.py``'s inputs and ``do_bench`` settings), g 
 the Kimi configuration, next to the schedule the library picks ("lib"). The rounds interleave
 the schedules so that drift of the card's clock spreads over all of them. Every schedule runs the
 same steps on the same chunks: its outputs must be the library's bits, which it checks.
-``--timeline``: first, each shape's kernels of one Kimi forward (the library's schedule) as
-torch.profiler saw them: stream, start and end in us from the first kernel's start.
+``--timeline``: first, each shape's kernels of ``--calls`` Kimi forwards launched back to back
+(the library's schedule) as torch.profiler saw them: stream, start and end in us from the first
+kernel's start. With several calls the host runs ahead of the GPU, as in a ``do_bench`` loop,
+so the later calls show where the GPU itself idles.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def main(argv=None):
     p.add_argument('--ratios', default='0.8,0.94,1,1.1,1.25')
     p.add_argument('--rounds', type=int, default=2)
     p.add_argument('--timeline', action='store_true')
+    p.add_argument('--calls', type=int, default=1, help='forwards in the timeline')
     args = p.parse_args(argv)
     schedules = [('lib', None)] + [(f'{s}x{r}', (int(s), float(r)))
                                    for s in args.segments.split(',') for r in args.ratios.split(',')]
@@ -64,7 +67,7 @@ def run(args, schedules, shapes, bench, library):
     for B, T, H in shapes:
         shape = f'{B},{T},{H}'
         if args.timeline:
-            timeline(B, T, H)
+            timeline(B, T, H, args.calls)
         for gate in (False, True):
             inp, opts = _chunk_inputs(B, T, H, gate=gate)
             times = {name: [] for name, _ in schedules}
@@ -92,22 +95,24 @@ def run(args, schedules, shapes, bench, library):
             torch.cuda.empty_cache()
 
 
-def timeline(B, T, H):
-    """Prints the kernels of one Kimi inference forward at (B, T, H) in the order they started."""
+def timeline(B, T, H, calls):
+    """Prints the kernels of ``calls`` Kimi inference forwards at (B, T, H), launched back to
+    back, in the order they started."""
     inp, opts = _chunk_inputs(B, T, H, gate=True)
     with torch.inference_mode():
         for _ in range(3):
             chunk_kda(**inp, **opts)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            chunk_kda(**inp, **opts)
+            for _ in range(calls):
+                chunk_kda(**inp, **opts)
             torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix='.json') as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))['traceEvents']
     kernels = sorted((e for e in events if e.get('cat') == 'kernel'), key=lambda e: e['ts'])
     t0 = kernels[0]['ts']
-    print(f'## timeline ({B},{T},{H}) Kimi inference forward: stream start end dur (us) kernel')
+    print(f'## timeline ({B},{T},{H}) {calls} Kimi inference forwards: stream start end dur (us) kernel')
     for e in kernels:
         print(f"{e['args'].get('stream', '?'):>4} {e['ts'] - t0:8.1f} {e['ts'] + e['dur'] - t0:8.1f} "
               f"{e['dur']:7.1f} {e['name'][:60]}")
