@@ -2,7 +2,7 @@
 how their lengths change from one to the next (``kda.ops.chunk.forward_segments``).
 
     python benchmarks/sweep_segments.py [--shapes 1,32768,32 1,8192,96] [--segments 3,4,5,6]
-                                        [--ratios 0.8,1,1.25] [--rounds 2]
+                                        [--ratios 0.8,1,1.25] [--rounds 2] [--timeline [--calls 3]]
 
 For each shape (B = 1) and each (segments, ratio), ``forward_segments`` is replaced by one that
 returns ``segment_bounds(T, BT, segments, ratio)`` (ratio > 1: segments that grow), and the
