@@ -48,21 +48,21 @@ FAR_KEY = tl.constexpr(1e36)
 
 
 @triton.jit
-def load_qk_rows(base, r_base, o_r, L, col0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """Rows ``o_r`` (key columns ``col0..``) of q or k (``[.., H, K]``, from the head's first row
-    of the chunk), float32. With ``r_base`` (their inverse norms, H apart: inference with
-    ``use_qk_l2norm_in_kernel``) the rows are normalized as they load, in float32, so that the
-    forward reads q and k once instead of normalizing them in a pass of its own that stores them.
-    Not rounded to the input dtype as that pass stores them: 16-bit outputs differ from the
-    training forward's in the last bits (closer to float64, if anything), and the pair products
-    run faster (ptxas, triton 3.6: 2968 instructions against 3152 rounded and 2760 without norms;
-    H200, (8, 4096, 16): 0.494 ms a call rounded against 0.445 without norms, 498cf64; the whole
-    forward 1.208 ms rounded, 1.178 unrounded, 9e7c297 and ae89aae in two calls). Scaling the
-    products' blocks by the norms' outer products instead of the rows took 3312 instructions and
-    spilled 184 B a thread."""
-    b_x = load_rows(base, o_r, L, H * K, col0, K, BK)
-    if r_base is not None:
-        b_x = b_x * tl.load(r_base + o_r.to(tl.int64) * H, mask=o_r < L, other=0.)[:, None]
+def row_inverse_norms(base, o_r, L, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """``(sum_d x_d^2 + 1e-6)^(-1/2)`` (l2norm's formula, ``kernels/l2norm.py``; the sum in
+    another order) of rows ``o_r`` of q or k, over the key slices one at a time."""
+    b_s = tl.zeros([o_r.shape[0]], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_x = load_rows(base, o_r, L, H * K, i_k * BK, K, BK)
+        b_s += tl.sum(b_x * b_x, axis=1)
+    return tl.rsqrt(b_s + 1e-6)
+
+
+@triton.jit
+def scale_rows(b_x, b_r):
+    """``diag(b_r) b_x``; ``b_x`` where ``b_r`` is None."""
+    if b_r is not None:
+        b_x = b_x * b_r[:, None]
     return b_x
 
 
@@ -79,7 +79,7 @@ def far_keys(b_k, b_c, b_r, m_r, span):
 
 
 @triton.jit
-def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, rk_base, gc_base, gc_stride, i_i, i_k, L,
+def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, b_rk, gc_base, gc_stride, i_i, i_k, L,
                    span, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                    DOT_DTYPE: tl.constexpr):
     """Adds the entries of the far keys (``far_keys`` against the block's first row ``b_r0``;
@@ -88,7 +88,9 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, rk_base, gc_base, gc
     rows; entries between groups b < a factor through the last row of group b (both factors
     <= 1), one tensor-core product per group b with the other rows and columns zeroed; the 4 x 4
     diagonal groups are formed element by element, one gathered column per row at a time.
-    Entries (i, j) read rows <= i only; entries of near keys get exact zeros added."""
+    Entries (i, j) read rows <= i only; entries of near keys get exact zeros added. ``b_rk``:
+    None, or the inverse norms of the block's raw key rows, which scale the rows loaded here as
+    ``b_k``'s were (``L2NORM``)."""
     G: tl.constexpr = 4
     o_i = tl.arange(0, BC)
     o_g = o_i // G
@@ -102,7 +104,9 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, rk_base, gc_base, gc
         b_kk += mm(b_k * b_up, b_kdt, DOT_DTYPE)
     for t in range(G):
         o_j = o_g * G + t
-        b_kj = load_qk_rows(k_base, rk_base, i_i * BC + o_j, L, i_k * BK, H, K, BK)
+        b_kj = load_rows(k_base, i_i * BC + o_j, L, H * K, i_k * BK, K, BK)
+        if b_rk is not None:
+            b_kj = b_kj * tl.gather(b_rk, o_j, 0)[:, None]
         b_cj = load_rows(gc_base, i_i * BC + o_j, L, gc_stride, i_k * BK, K, BK)
         b_farj, _ = far_keys(b_kj, b_cj, b_r0, ((i_i * BC + o_j) < L)[:, None], span)
         b_kj = tl.where(b_farj, b_kj * exp_nonpos(b_c - b_cj), 0.)
@@ -113,7 +117,7 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, rk_base, gc_base, gc
 
 
 @triton.jit
-def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, rk_base, gc_base, gc_stride, i_i,
+def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk, gc_base, gc_stride, i_i,
                i_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                FACTORED: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Adds key slice ``i_k`` of the diagonal block ``I = i_i`` (rows ``b_q``, ``b_k``, ``b_c``,
@@ -142,27 +146,29 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, rk_base, gc_base, gc
         b_qk += mm(b_qe, b_kdt, DOT_DTYPE)
         b_kk += mm(b_ke, b_kdt, DOT_DTYPE)
         if tl.max(b_far.to(tl.int32)) > 0:
-            b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, rk_base, gc_base,
+            b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, b_rk, gc_base,
                                         gc_stride, i_i, i_k, L, FAR_SPAN, H, K, BC, BK, DOT_DTYPE)
     else:
-        b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, rk_base, gc_base,
+        b_qk, b_kk = group_products(b_qk, b_kk, b_q, b_k, b_c, b_r, k_base, b_rk, gc_base,
                                     gc_stride, i_i, i_k, L, -1.0, H, K, BC, BK, DOT_DTYPE)
     return b_qk, b_kk, b_qe, b_ke
 
 
 @triton.jit
-def offdiag_slice(b_qk, b_kk, b_qe, b_ke, b_r, k_base, rk_base, gc_base, gc_stride, i_j, i_k, L,
+def offdiag_slice(b_qk, b_kk, b_s, b_qe, b_ke, b_r, k_base, gc_base, gc_stride, i_j, i_k, L,
                   H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                   DOT_DTYPE: tl.constexpr):
     """Adds key slice ``i_k`` of block ``(I, J = i_j)``, ``J < I``, to ``b_qk`` and ``b_kk``: the
     row factors of ``diag_slice`` times ``k_J exp(r - c_J)``, both factors <= 1 (r, the first row of
-    block I, comes after every row of J)."""
-    b_kj = load_qk_rows(k_base, rk_base, i_j * BC + tl.arange(0, BC), L, i_k * BK, H, K, BK)
+    block I, comes after every row of J). Also returns ``b_s`` plus the slice's sums of squares of
+    the rows of k_J as loaded, the norms that ``L2NORM`` scales the block's columns by (the
+    compiler drops them otherwise)."""
+    b_kj = load_rows(k_base, i_j * BC + tl.arange(0, BC), L, H * K, i_k * BK, K, BK)
     b_cj = load_tile(gc_base, i_j * BC, L, gc_stride, i_k * BK, K, BC, BK)
     b_kjt = tl.trans(b_kj * exp_nonpos(b_r[None, :] - b_cj))
     b_qk += mm(b_qe, b_kjt, DOT_DTYPE)
     b_kk += mm(b_ke, b_kjt, DOT_DTYPE)
-    return b_qk, b_kk
+    return b_qk, b_kk, b_s + tl.sum(b_kj * b_kj, axis=1)
 
 
 @triton.jit
@@ -294,12 +300,13 @@ def chunk_cumsum_kernel(
 
 @triton.jit
 def chunk_pair_fwd_kernel(
-    q, k, rq, rk, gc, Aqk, Akk, qt, kbar, kg,
+    q, k, gc, Aqk, Akk, qt, kbar, kg,
     chunk_rows,
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    FACTORED_DIAG: tl.constexpr, DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FACTORED_DIAG: tl.constexpr, L2NORM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """Row block I of ``Aqk`` (scale included) and of ``A' = A / beta`` (both kept for the
     backward): the diagonal block and the blocks J < I. One program per (chunk, I): the row
@@ -307,8 +314,15 @@ def chunk_pair_fwd_kernel(
     block I of the decayed queries and keys ``qt``, ``kbar``, ``kg`` that the forward's sweep
     reads, from the q, k and c tiles loaded here anyway (the cumsum kernel's formulas, through the
     same helpers): formed there, they cost the cumsum kernel a second read of q and k (H200,
-    (8, 4096, 16): cumsum 0.350 -> 0.143 ms a call, pair products 0.325 -> 0.444). ``rq``, ``rk``:
-    None, or the inverse norms of the raw q and k rows (``load_qk_rows``)."""
+    (8, 4096, 16): cumsum 0.350 -> 0.143 ms a call, pair products 0.325 -> 0.444).
+
+    ``L2NORM`` (inference with ``use_qk_l2norm_in_kernel``): q and k are raw, and this kernel
+    normalizes the rows it reads, so that no pass reads q and k for their norms before it. Block
+    I's rows: their inverse norms first (``row_inverse_norms``, a loop over the key slices whose
+    tiles the main loop then finds in cache), then the rows scaled as they load, in float32.
+    Blocks J < I: their raw key rows' squares summed in the main loop, which loads them anyway,
+    and the products' columns scaled at the end. Not rounded to the input dtype as the training
+    forward's normalization pass stores them: 16-bit outputs differ from its in the last bits."""
     tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     i_ci, i_hv = tl.program_id(0), tl.program_id(1)
@@ -317,8 +331,6 @@ def chunk_pair_fwd_kernel(
     start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     q_base = q + start * H * K + i_h * K
     k_base = k + start * H * K + i_h * K
-    rq_base = None if rq is None else rq + start * H + i_h
-    rk_base = None if rk is None else rk + start * H + i_h
     # The chunk's first row in the [.., HV, K] tensors (gc and the decayed keys and queries).
     hv_offset = start * HV * K + i_hv * K
     gc_base = gc + hv_offset
@@ -333,32 +345,47 @@ def chunk_pair_fwd_kernel(
     b_qk0, b_kk0 = b_qk, b_kk
     b_qk1, b_kk1 = b_qk, b_kk
     b_qk2, b_kk2 = b_qk, b_kk
+    b_s0 = tl.zeros([BC], dtype=tl.float32)
+    b_s1, b_s2 = b_s0, b_s0
+    b_rq = None
+    b_rk = None
+    if L2NORM:
+        b_rq = row_inverse_norms(q_base, i_i * BC + o_c, L, H, K, BK)
+        b_rk = row_inverse_norms(k_base, i_i * BC + o_c, L, H, K, BK)
     # Key slices outermost: block I's rows and their factors, formed once a slice, serve the
     # diagonal block and every block J < I (one reference row for all of them).
     for i_k in range(tl.cdiv(K, BK)):
-        b_q = load_qk_rows(q_base, rq_base, i_i * BC + o_c, L, i_k * BK, H, K, BK)
-        b_k = load_qk_rows(k_base, rk_base, i_i * BC + o_c, L, i_k * BK, H, K, BK)
+        b_q = scale_rows(load_rows(q_base, i_i * BC + o_c, L, H * K, i_k * BK, K, BK), b_rq)
+        b_k = scale_rows(load_rows(k_base, i_i * BC + o_c, L, H * K, i_k * BK, K, BK), b_rk)
         b_c = load_tile(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BC, BK)
         b_r = load_row(gc_base, i_i * BC, L, HV * K, i_k * BK, K, BK)
         b_last = load_row(gc_base, L - 1, L, HV * K, i_k * BK, K, BK)
         store_decayed_keys(kbar + hv_offset, kg + hv_offset, b_k, b_c, b_last, i_i * BC, L,
                            i_k * BK, HV, K, BC, BK)
         store_decayed_queries(qt + hv_offset, b_q, b_c, scale, i_i * BC, L, i_k * BK, HV, K, BC, BK)
-        b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, rk_base,
+        b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk,
                                             gc_base, HV * K, i_i, i_k, L, H, K, BC, BK, FACTORED_DIAG,
                                             DOT_DTYPE)
         if i_i > 0:
-            b_qk0, b_kk0 = offdiag_slice(b_qk0, b_kk0, b_qe, b_ke, b_r, k_base, rk_base, gc_base,
-                                         HV * K, 0, i_k, L, H, K, BC, BK, DOT_DTYPE)
+            b_qk0, b_kk0, b_s0 = offdiag_slice(b_qk0, b_kk0, b_s0, b_qe, b_ke, b_r, k_base,
+                                             gc_base, HV * K, 0, i_k, L, H, K, BC, BK, DOT_DTYPE)
         # NC first, a compile-time test: with 2 sub-blocks (BT = 32) these are not compiled.
         if NC > 2:
             if i_i > 1:
-                b_qk1, b_kk1 = offdiag_slice(b_qk1, b_kk1, b_qe, b_ke, b_r, k_base, rk_base, gc_base,
-                                             HV * K, 1, i_k, L, H, K, BC, BK, DOT_DTYPE)
+                b_qk1, b_kk1, b_s1 = offdiag_slice(b_qk1, b_kk1, b_s1, b_qe, b_ke, b_r, k_base,
+                                                 gc_base, HV * K, 1, i_k, L, H, K, BC, BK, DOT_DTYPE)
         if NC > 3:
             if i_i > 2:
-                b_qk2, b_kk2 = offdiag_slice(b_qk2, b_kk2, b_qe, b_ke, b_r, k_base, rk_base, gc_base,
-                                             HV * K, 2, i_k, L, H, K, BC, BK, DOT_DTYPE)
+                b_qk2, b_kk2, b_s2 = offdiag_slice(b_qk2, b_kk2, b_s2, b_qe, b_ke, b_r, k_base,
+                                                 gc_base, HV * K, 2, i_k, L, H, K, BC, BK, DOT_DTYPE)
+    if L2NORM:
+        # The columns of blocks J < I: their keys' inverse norms.
+        b_s0 = tl.rsqrt(b_s0 + 1e-6)[None, :]
+        b_s1 = tl.rsqrt(b_s1 + 1e-6)[None, :]
+        b_s2 = tl.rsqrt(b_s2 + 1e-6)[None, :]
+        b_qk0, b_kk0 = b_qk0 * b_s0, b_kk0 * b_s0
+        b_qk1, b_kk1 = b_qk1 * b_s1, b_kk1 * b_s1
+        b_qk2, b_kk2 = b_qk2 * b_s2, b_kk2 * b_s2
     b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
     b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
     store_pair_block(A_base, K_base, b_qk, b_kk, scale, i_i, i_i, L, HV, BT, BC)

@@ -22,13 +22,11 @@ def program_rows(n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
 
 @triton.jit
 def l2norm_fwd_rows(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """r for BR rows of x; y too unless y is None (inference, where the pair products scale the
-    rows of x by r as they load them)."""
+    """y and r for BR rows of x."""
     o_r, m, p = program_rows(n_rows, D, BR, BD)
     b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
-    if y is not None:
-        tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_r, mask=o_r < n_rows)
 
 

@@ -29,9 +29,9 @@ from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import KernelGate, activate_beta, activate_gate
-from kda.ops.l2norm import l2norm_bwd, l2norm_fwd, l2norm_rstd
-from kda.ops.utils import (cdiv, contiguous, fork, join, mark, next_pow2, on_q_device, state_strides,
-                           use_kernels, wait)
+from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
+from kda.ops.utils import (cdiv, contiguous, fork, join, next_pow2, on_q_device, state_strides,
+                           use_kernels)
 from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
 from kda.reference import chunk_kda_reference
 
@@ -124,9 +124,9 @@ TUNING = {
     # the gathered substitution (thirteenth session) 0.114 against 0.255 at 2 warps.
     # Not swept again since 6b02cbb, where the forward's cumsum build stopped writing the decayed
     # keys and queries (0.143 ms; ptxas: 28 B of spills at the 96 cap) and the pair products
-    # started (0.444 ms; 251 registers at 1 warp, no spills). The inference build with the
-    # inverse norms of q and k (ae89aae) shares pair_fwd's entry, not swept: 253 registers at
-    # 1 warp, no spills (ptxas, triton 3.6).
+    # started (0.444 ms; 251 registers at 1 warp, no spills). The inference build that
+    # normalizes raw q and k itself (L2NORM) shares pair_fwd's entry, not swept: 255 registers
+    # at 1 warp, no spills (ptxas, triton 3.6).
     # 'cumsum' / 'cumsum_raw': the forward's builds (c only); '_decayed': the backward recompute's
     # (c and the decayed keys and queries).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
@@ -444,63 +444,26 @@ def stage1_cumsum(q, k, g, scale, layout: ChunkLayout, gate: KernelGate | None, 
 
 
 def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
-                    norms=None) -> Stage1:
+                    l2norm: bool = False) -> Stage1:
     """The rest of the forward's stage 1 into ``s1``, on its cumulative decay: the pair products
-    (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``). ``norms``:
-    None, or the inverse norms ``(rq, rk)`` (``[B, T, H]``) of raw q and k, which the pair
-    products then normalize as they load them (inference with ``use_qk_l2norm_in_kernel``,
-    ``inverse_norms``)."""
+    (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``). ``l2norm``:
+    q and k are raw, and the pair products normalize the rows they read (inference with
+    ``use_qk_l2norm_in_kernel``, ``chunk_pair_fwd_kernel``)."""
     _, T, H, K = q.shape
     BT = layout.BT
     dt = q.dtype
     is_varlen = layout.rows is not None
     chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT)
-    rq, rk = (None, None) if norms is None else norms
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
-        q, k, rq, rk, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
+        q, k, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
         BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
         # float16's range ends at 65504: no factor >= 1 on its operands.
-        FACTORED_DIAG=dt != torch.float16, IS_VARLEN=is_varlen, **chunks,
+        FACTORED_DIAG=dt != torch.float16, L2NORM=l2norm, IS_VARLEN=is_varlen, **chunks,
         **launch_config('pair_fwd', K, K))
     chunk_solve_kernel[(layout.total, HV)](
         beta, s1.Akk, s1.Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen,
         **chunks, **launch_config('solve', K, K))
     return s1
-
-
-def inverse_norms(q, k, cut: int | None):
-    """Inference with ``use_qk_l2norm_in_kernel``: the inverse norms ``(rq, rk)`` of q and k
-    (``l2norm_rstd``), launched on a side stream (``fork``) so that they run beside the current
-    stream's cumsum, which does not read them, where they ran alone before it: the tokens before
-    ``cut`` first, then the rest (None: all at once; a cut needs B = 1, whose token ranges are
-    contiguous views, as in the segmented forward, which cuts at whole chunks: there the bits are
-    those of one call, see ``l2norm_rstd``). Returns ``((rq, rk), ready, side)``:
-    ``ready[i]`` the event after part i, for the current stream to ``wait`` on before the pair
-    products read that part's norms (None off CUDA, where launches run in order); ``side``
-    the stream, for a ``join`` where a later error could leave them unwaited for (an error in
-    here joins it before it propagates).
-
-    H200, bf16, K = V = 128, inference forward against the norms alone first (ab.py, one round,
-    twenty-third session): g pre-computed -0.005 / +0.000 / -0.006 / -0.014 / -0.011 ms, Kimi
-    configuration -0.005 / -0.020 / -0.002 / -0.014 / -0.006 at (8, 4096, 16), (1, 32768, 32),
-    (1, 8192, 96), (4, 8192, 32) and the varlen batch. Predicted -0.06 to -0.09 at
-    (1, 32768, 32), the norms' 0.128 ms hidden: both the norms and the cumsum move bytes at
-    most of the bandwidth, so beside each other they mostly share it."""
-    T = q.shape[1]
-    rq, rk = (torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) for _ in range(2))
-    parts = [slice(0, T)] if cut is None or cut >= T else [slice(0, cut), slice(cut, T)]
-    side = fork(q.device)
-    ready = []
-    try:
-        with torch.cuda.stream(side):
-            for part in parts:
-                l2norm_rstd(q[:, part], k[:, part], out=(rq[:, part], rk[:, part]))
-                ready.append(mark(side))
-    except BaseException:
-        # A part may be running: rq and rk must not go back to the current stream's pool first.
-        join(side)
-        raise
-    return (rq, rk), ready, side
 
 
 # The forward in time segments (forward_segments): how many where the sweep has at most one
@@ -595,8 +558,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     """The forward: stage 1, then the fused state sweep and outputs
     (``kernels/chunk_state_output.py``). Returns ``(o, final_state, stage1, h)``: ``h`` the
     float32 state entering every chunk with ``store_states``, else None. ``l2norm`` (inference
-    with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products normalize their
-    rows by the inverse norms (``inverse_norms``, beside the cumsum).
+    with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products normalize the rows
+    they read (``chunk_pair_fwd_kernel``).
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
@@ -630,15 +593,11 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
 
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
-    norms, ready, norms_side, side = None, [], None, None
-    if l2norm:
-        norms, ready, norms_side = inverse_norms(q, k, None if segments is None else segments[0][1])
+    side = None
     try:
         if segments is None:
             stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
-            for event in ready:
-                wait(event, dev)
-            stage1_matrices(q, k, beta, scale, layout, HV, s1, norms)
+            stage1_matrices(q, k, beta, scale, layout, HV, s1, l2norm)
             sweep(s1, slice(0, T), layout, initial_state, final_state)
             return o, final_state, s1, h
         cumsum_first = busy_sweep(HV, K, V, dev)
@@ -656,19 +615,16 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             if not cumsum_first:
                 stage1_cumsum(q[:, part], k[:, part], g[:, part], scale, part_layout, gate, HV, s1_part,
                               decayed=False)
-            if i < len(ready):
-                wait(ready[i], dev)
             stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, part_layout, HV, s1_part,
-                            None if norms is None else tuple(r[:, part] for r in norms))
+                            l2norm)
             side = fork(dev)
             with torch.cuda.stream(side):
                 sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
                       final_state if i == len(segments) - 1 else carried)
     finally:
-        # Also on an error: the norms and the sweeps read and write tensors the current stream
-        # would otherwise free. fork hands out one side stream a device, so the sweeps' stream,
-        # once forked, is the norms' too: one join waits for both.
-        join(side if side is not None else norms_side)
+        # Also on an error: the sweeps read and write tensors the current stream would otherwise
+        # free.
+        join(side)
     return o, final_state, s1, h
 
 
@@ -943,10 +899,9 @@ def chunk_kda(
     gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
     if return_intermediate_states or not needs_grad:
         # Inference: nothing is kept for a backward, so q and k are not normalized in a pass of
-        # their own: only their inverse norms are formed (half the bytes), and the pair products
-        # scale the raw rows as they load them, in float32 (16-bit inputs: the training
-        # forward's outputs to the last bits, which it rounds the normalized rows to; float32
-        # inputs: the same bits).
+        # their own: the pair products normalize the rows they read, in float32 (outputs
+        # differ from the training forward's in the last bits: it rounds the normalized rows
+        # to the input dtype, and sums each row's squares in another order).
         o, final_state, _, h = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
             cu_seqlens, layout, gate, store_states=return_intermediate_states,

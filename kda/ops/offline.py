@@ -14,14 +14,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-# Buffers the launchers allocate in float32 whatever the input dtype (the inverse norms of q and k
-# among them), beta (``chunk_kda`` hands the kernels a float32 copy), the float32 states, and the
-# gate's parameters; every other pointer argument has the input dtype.
-FLOAT32 = frozenset({'g', 'beta', 'rq', 'rk', 'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg', 'dc', 'dbeta',
+# Buffers the launchers allocate in float32 whatever the input dtype, beta (``chunk_kda`` hands
+# the kernels a float32 copy), the float32 states, and the gate's parameters; every other pointer
+# argument has the input dtype.
+FLOAT32 = frozenset({'g', 'beta', 'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg', 'dc', 'dbeta',
                      'h0', 'ht', 'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias', 'dA_log', 'ddt_bias'})
-# Arguments a launch may pass as None (inverse norms of q and k, varlen tensors, states, the
-# gate's parameters).
-OPTIONAL = frozenset({'rq', 'rk', 'cu_seqlens', 'chunk_rows', 'chunk_offsets', 'seq_order', 'h0', 'ht',
+# Arguments a launch may pass as None (varlen tensors, states, the gate's parameters).
+OPTIONAL = frozenset({'cu_seqlens', 'chunk_rows', 'chunk_offsets', 'seq_order', 'h0', 'ht',
                       'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias'})
 # Integer tensors: the chunk map the launcher builds, and cu_seqlens in the caller's dtype (int64 in
 # the README's example and the benchmark).

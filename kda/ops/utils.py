@@ -76,19 +76,3 @@ def join(side: torch.cuda.Stream | None):
     """The current stream waits for ``side`` (``fork``); nothing off CUDA."""
     if side is not None:
         torch.cuda.current_stream(side.device).wait_stream(side)
-
-
-def mark(side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    """An event recorded on ``side`` after its launches so far, for ``wait``; None off CUDA."""
-    if side is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(side)
-    return event
-
-
-def wait(event: torch.cuda.Event | None, device: torch.device):
-    """The current stream of ``device`` waits for ``event`` (``mark``): for part of a side stream's
-    work, where ``join`` waits for all of it; nothing for None."""
-    if event is not None:
-        event.wait(torch.cuda.current_stream(device))
