@@ -750,13 +750,19 @@ def test_inference_l2norm_in_pair_products(dtype, layout):
     of squares in another order (0.94-1.01x, both layouts, strong decay or not); bound 1.25x.
     Strong decay (the far keys' 4-row scheme loads key rows of its own, scaled by norms gathered
     from the block's; float16 takes it for every entry), GVA, K = 60 (masked key columns in the
-    sums); varlen with partial chunks, or two sequences of fixed length with 32-token chunks (two
+    sums), all-zero q and k rows (the epsilon keeps them zero, not NaN; review of 36735d1);
+    varlen with partial chunks, or two sequences of fixed length with 32-token chunks (two
     sub-blocks)."""
     if layout == 'varlen':
         B, T, N, cu, chunk = 1, 191, 3, make_cu_seqlens([37, 64, 90], device=KDEV), 64
     else:
         B, T, N, cu, chunk = 2, 75, 2, None, 32
     x = make_inputs(B, T, 2, 4, 60, 40, dtype=dtype, device=KDEV, strong_decay=True, normalize_k=False)
+    # All-zero rows normalize to zero (the epsilon): q alone, k alone and both, in blocks that
+    # later blocks of their chunk read as J < I, and in the block of the rows they scale.
+    for t, names in ((3, 'q'), (17, 'k'), (36, 'qk'), (42, 'k'), (66, 'qk')):
+        for n in names:
+            x[n][:, t] = 0
     opts = dict(initial_state=make_state(N, 4, 60, 40, device=KDEV), output_final_state=True,
                 cu_seqlens=cu, use_qk_l2norm_in_kernel=True, scale=0.7, chunk_size=chunk)
     with torch.no_grad():

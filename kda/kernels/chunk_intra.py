@@ -33,6 +33,7 @@ import triton.language as tl
 from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_ftz, exp_nonpos, load_row,
                                       load_rows, load_tile, mm, mm_fine, store_tile)
 from kda.kernels.gate import log_decay_tile
+from kda.kernels.l2norm import inverse_norm
 
 
 # Diagonal blocks factor through their first row r: a key enters as k_jd exp(r_d - c_jd) >= k_jd.
@@ -55,7 +56,7 @@ def row_inverse_norms(base, o_r, L, H: tl.constexpr, K: tl.constexpr, BK: tl.con
     for i_k in range(tl.cdiv(K, BK)):
         b_x = load_rows(base, o_r, L, H * K, i_k * BK, K, BK)
         b_s += tl.sum(b_x * b_x, axis=1)
-    return tl.rsqrt(b_s + 1e-6)
+    return inverse_norm(b_s)
 
 
 @triton.jit
@@ -322,7 +323,8 @@ def chunk_pair_fwd_kernel(
     tiles the main loop then finds in cache), then the rows scaled as they load, in float32.
     Blocks J < I: their raw key rows' squares summed in the main loop, which loads them anyway,
     and the products' columns scaled at the end. Not rounded to the input dtype as the training
-    forward's normalization pass stores them: 16-bit outputs differ from its in the last bits."""
+    forward's normalization pass stores them, and each row's squares summed in another order:
+    outputs differ from its in the last bits (float32 too)."""
     tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     i_ci, i_hv = tl.program_id(0), tl.program_id(1)
@@ -380,9 +382,9 @@ def chunk_pair_fwd_kernel(
                                                  gc_base, HV * K, 2, i_k, L, H, K, BC, BK, DOT_DTYPE)
     if L2NORM:
         # The columns of blocks J < I: their keys' inverse norms.
-        b_s0 = tl.rsqrt(b_s0 + 1e-6)[None, :]
-        b_s1 = tl.rsqrt(b_s1 + 1e-6)[None, :]
-        b_s2 = tl.rsqrt(b_s2 + 1e-6)[None, :]
+        b_s0 = inverse_norm(b_s0)[None, :]
+        b_s1 = inverse_norm(b_s1)[None, :]
+        b_s2 = inverse_norm(b_s2)[None, :]
         b_qk0, b_kk0 = b_qk0 * b_s0, b_kk0 * b_s0
         b_qk1, b_kk1 = b_qk1 * b_s1, b_kk1 * b_s1
         b_qk2, b_kk2 = b_qk2 * b_s2, b_kk2 * b_s2

@@ -15,12 +15,13 @@ import triton
 import triton.language as tl
 
 from kda.kernels.gate import beta_fwd, gate_fwd, gate_params
+from kda.kernels.l2norm import inverse_norm
 
 
 @triton.jit
 def l2_normalize(x):
     """x / sqrt(sum(x^2) + 1e-6) over a 1-D block (padding lanes must hold 0)."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+    return x * inverse_norm(tl.sum(x * x, axis=0))
 
 
 @triton.jit

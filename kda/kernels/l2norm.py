@@ -10,6 +10,17 @@ later kernel used), not x: the backward then needs no normalization pass of its 
 import triton
 import triton.language as tl
 
+# FLA's epsilon (``l2norm_fwd``): a zero row normalizes to zero instead of NaN.
+L2NORM_EPS = tl.constexpr(1e-6)
+
+
+@triton.jit
+def inverse_norm(sum_sq):
+    """``(sum_sq + 1e-6)^(-1/2)``: the inverse norm of a row whose squares sum to ``sum_sq``; every
+    kernel that normalizes q or k goes through it (the chunk forward's pair products, the decode
+    kernel, this file's pass)."""
+    return tl.rsqrt(sum_sq + L2NORM_EPS)
+
 
 @triton.jit
 def program_rows(n_rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
@@ -25,7 +36,7 @@ def l2norm_fwd_rows(x, y, rstd, n_rows, D: tl.constexpr, BR: tl.constexpr, BD: t
     """y and r for BR rows of x."""
     o_r, m, p = program_rows(n_rows, D, BR, BD)
     b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
+    b_r = inverse_norm(tl.sum(b_x * b_x, axis=1))
     tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_r, mask=o_r < n_rows)
 
