@@ -19,7 +19,6 @@ import itertools
 from dataclasses import dataclass, fields
 
 import torch
-import triton
 import triton.language as tl
 
 from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
