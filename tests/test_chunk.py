@@ -368,6 +368,67 @@ def _cumsum_floor(x, s0, do, dht, chunk_size, cu_seqlens=None, **opts):
                    fn=lambda **kw: chunk_kda_reference(**kw, chunk_size=chunk_size), **opts)
 
 
+@requires_kernels
+@pytest.mark.parametrize('beta_case', ['logits', 'logits-neg-eigval', 'given-strided'])
+def test_inference_beta_as_training(beta_case):
+    """Inference forms the kernels' float32 beta inside the forward, on the side stream
+    (``prepare_beta``): from the caller's logits (``use_beta_sigmoid_in_kernel``, with
+    ``allow_neg_eigval`` 2 sigmoid) or from a given beta, here a strided view. The
+    outputs and final state equal the training forward's bit for bit, which activates beta
+    through autograd first and is checked against float64 elsewhere (no l2norm in the kernel:
+    with it, inference normalizes q and k in other kernels)."""
+    B, T, H, HV, K, V = 1, 45, 1, 2, 16, 24
+    x = make_inputs(B, T, H, HV, K, V)
+    opts = dict(chunk_size=32)
+    if beta_case.startswith('logits'):
+        x['beta'] = 2 * torch.randn(B, T, HV)
+        opts.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=beta_case.endswith('neg-eigval'))
+    else:
+        # Every other entry of a [B, T, 2 HV] tensor.
+        x['beta'] = torch.stack([x['beta'], torch.rand(B, T, HV)], -1).flatten(-2)[..., ::2]
+        assert not x['beta'].is_contiguous()
+    s0 = make_state(B, HV, K, V)
+    o_train, ht_train, _, _, _ = run_chunk(x, s0, grads=True, **opts)
+    with torch.no_grad():
+        o, ht = chunk_kda(**{n: t.to(KDEV) for n, t in x.items()}, initial_state=s0.to(KDEV),
+                          output_final_state=True, **opts)
+    assert torch.equal(o.cpu(), o_train) and torch.equal(ht.cpu(), ht_train)
+
+
+@requires_cuda
+@pytest.mark.parametrize('segmented', [False, True])
+def test_inference_beta_ordered_before_its_readers(monkeypatch, segmented):
+    """The side stream's beta (``prepare_beta``) is written behind ~5 ms of sleep after being
+    filled with NaN: a pair product, solve or sweep that read it before the current stream joined
+    the side stream would make the outputs NaN or differ. Whole (two sequences) and in time
+    segments (one), both past the forced SEGMENT_MIN_TOKEN_HEADS."""
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    B = 1 if segmented else 2
+    x = make_inputs(B, 1500, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda')
+    x['beta'] = torch.randn(B, 1500, 4, device='cuda')
+    h0 = make_state(B, 4, 128, 128, device='cuda')
+    layout = chunk_mod.chunk_layout(B, 1500, 64, None, None)
+    assert (chunk_mod.forward_segments(B, 1500, 4, 128, 128, layout, None, False,
+                                       torch.device('cuda')) is not None) == segmented
+
+    def forward():
+        with torch.no_grad():
+            return chunk_kda(**x, initial_state=h0, output_final_state=True, use_beta_sigmoid_in_kernel=True)
+
+    want = forward()
+    prepare = chunk_mod.kernel_beta
+
+    def late(out, beta, **kw):
+        out.fill_(float('nan'))
+        torch.cuda._sleep(10 ** 7)
+        prepare(out, beta, **kw)
+
+    monkeypatch.setattr(chunk_mod, 'kernel_beta', late)
+    got = forward()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def _strong_gates(x, K):
     g = x['g']
     T = g.shape[1]
@@ -900,15 +961,16 @@ def test_fused_sweep_wide_slice(monkeypatch, V):
 
 @requires_kernels
 def test_kernels_read_float32_beta(monkeypatch):
-    """A 16-bit beta is handed to the forward's and the backward's launchers (``chunk_kda_fwd``,
-    ``chunk_kda_bwd``) as a float32 copy, in training and in inference, strided or not (the state
-    sweeps prefetch a per-row load only from 4 bytes a thread, ``chunk_kda``); its gradient keeps
-    beta's dtype (``run_chunk``), and the results stay within the float64 bound of the
-    low-precision tests."""
+    """A 16-bit beta reaches the forward's kernels (``stage1_matrices``: the solve, and the sweep
+    that reads the same tensor) and the backward's launcher (``chunk_kda_bwd``) as a float32
+    copy, in training and in inference, strided or not (the state sweeps prefetch a per-row load
+    only from 4 bytes a thread, ``chunk_kda``); its gradient keeps beta's dtype (``run_chunk``),
+    and the results stay within the float64 bound of the low-precision tests."""
     seen = []
-    for name in ('chunk_kda_fwd', 'chunk_kda_bwd'):
-        def spy(*args, _f=getattr(chunk_mod, name), _n=name, **kwargs):
-            seen.append((_n, args[4].dtype, args[4].is_contiguous()))  # (q, k, v, g, beta, ...)
+    # (q, k, beta, ...) and (q, k, v, g, beta, ...)
+    for name, i in (('stage1_matrices', 2), ('chunk_kda_bwd', 4)):
+        def spy(*args, _f=getattr(chunk_mod, name), _n=name, _i=i, **kwargs):
+            seen.append((_n, args[_i].dtype, args[_i].is_contiguous()))
             return _f(*args, **kwargs)
         monkeypatch.setattr(chunk_mod, name, spy)
     check_lowp(torch.float16, None, 2, 70, 1, 2, 32, 32, chunk_size=64, grads=True)
@@ -919,8 +981,8 @@ def test_kernels_read_float32_beta(monkeypatch):
         o_strided = chunk_kda(**x)[0]
     assert not x['beta'].is_contiguous()
     assert torch.equal(o, o_strided)
-    assert seen == [('chunk_kda_fwd', torch.float32, True), ('chunk_kda_bwd', torch.float32, True)] + \
-        [('chunk_kda_fwd', torch.float32, True)] * 2, seen
+    assert seen == [('stage1_matrices', torch.float32, True), ('chunk_kda_bwd', torch.float32, True)] + \
+        [('stage1_matrices', torch.float32, True)] * 2, seen
 
 
 # Compiles every chunk kernel for sm_90 at the launch configuration the launchers give it, in float32

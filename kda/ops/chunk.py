@@ -27,7 +27,7 @@ from kda.kernels.chunk_intra_bwd import (chunk_gate_bwd_kernel, chunk_intra_bwd_
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
-from kda.ops.gate import KernelGate, activate_beta, activate_gate
+from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
 from kda.ops.utils import (cdiv, contiguous, fork, join, next_pow2, on_q_device, state_strides,
                            use_kernels)
@@ -553,12 +553,19 @@ def segment_bounds(T: int, BT: int, segments: int, ratio: float) -> list[tuple[i
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
-                  store_states: bool = False, l2norm: bool = False):
+                  store_states: bool = False, l2norm: bool = False, prepare_beta=None):
     """The forward: stage 1, then the fused state sweep and outputs
     (``kernels/chunk_state_output.py``). Returns ``(o, final_state, stage1, h)``: ``h`` the
     float32 state entering every chunk with ``store_states``, else None. ``l2norm`` (inference
     with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products normalize the rows
-    they read (``chunk_pair_fwd_kernel``).
+    they read (``chunk_pair_fwd_kernel``). ``prepare_beta`` (inference): ``beta`` is the
+    caller's, and ``prepare_beta(out, beta)`` writes the float32 copy the kernels read
+    (``kernel_beta``); it runs on the side stream beside the first cumsum, which does not read
+    it, and not at the head of the current stream's chain (at SEGMENT_MIN_TOKEN_HEADS and
+    above). H200, inference forward ms, the
+    Kimi configuration's two PyTorch kernels (beta's float copy and sigmoid) taken off that
+    chain altogether (beta given activated, in float32; twenty-eighth session, 4 rounds):
+    (1, 32768, 32) -0.007, (8, 4096, 16) -0.008, (1, 8192, 96) -0.010.
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
@@ -594,8 +601,18 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
     side = None
     try:
+        if prepare_beta is not None:
+            # Allocated on the current stream, which frees it; the join below orders the side
+            # stream's write before every kernel that reads it. On the current stream where the
+            # host may set the time (SEGMENT_MIN_TOKEN_HEADS): the fork and the join are two more
+            # events for it to record.
+            beta, raw_beta = torch.empty(beta.shape, dtype=torch.float32, device=dev), beta
+            side = fork(dev) if B * T * HV >= SEGMENT_MIN_TOKEN_HEADS else None
+            with torch.cuda.stream(side):
+                prepare_beta(beta, raw_beta)
         if segments is None:
             stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
+            join(side)
             stage1_matrices(q, k, beta, scale, layout, HV, s1, l2norm)
             sweep(s1, slice(0, T), layout, initial_state, final_state)
             return o, final_state, s1, h
@@ -614,6 +631,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             if not cumsum_first:
                 stage1_cumsum(q[:, part], k[:, part], g[:, part], scale, part_layout, gate, HV, s1_part,
                               decayed=False)
+            if i == 0:
+                join(side)
             stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, part_layout, HV, s1_part,
                             l2norm)
             side = fork(dev)
@@ -871,9 +890,9 @@ def chunk_kda(
         raise ValueError("return_intermediate_states=True is for inference only; call it under "
                          "torch.no_grad() or with inputs that do not require grad")
 
-    if use_beta_sigmoid_in_kernel:
-        beta = activate_beta(beta, allow_neg_eigval)
     if not use_kernels(q):
+        if use_beta_sigmoid_in_kernel:
+            beta = activate_beta(beta, allow_neg_eigval)
         if use_gate_in_kernel:
             g = activate_gate(g, A_log, dt_bias, lower_bound)
         if return_intermediate_states:
@@ -888,15 +907,21 @@ def chunk_kda(
     # its load. H200, bf16 forward with g pre-computed: -0.03 to -0.07 ms at (1, 32768, 32),
     # (1, 8192, 96), (4, 8192, 32) and the varlen batch, 0 at (8, 4096, 16) (one 128-wide sweep
     # program an SM there too: why it lost nothing is not known). The Kimi configuration's
-    # activated beta was float32 already. One copy, contiguous, whatever beta's strides.
-    beta = beta.to(torch.float32, memory_format=torch.contiguous_format)
-    q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
+    # activated beta was float32 already. One copy, contiguous, whatever beta's strides: in
+    # training here, through autograd; in inference inside chunk_kda_fwd, off the head of its
+    # chain (``prepare_beta``).
+    inference = return_intermediate_states or not needs_grad
+    if not inference:
+        if use_beta_sigmoid_in_kernel:
+            beta = activate_beta(beta, allow_neg_eigval)
+        beta = beta.to(torch.float32).contiguous()
+    q, k, v, g, initial_state, cu_seqlens = contiguous(q, k, v, g, initial_state, cu_seqlens)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
     # ops it took five float32 passes over [B, T, HV, K] each way (H200, (8, 4096, 16), Kimi
     # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
     gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
-    if return_intermediate_states or not needs_grad:
+    if inference:
         # Inference: nothing is kept for a backward, so q and k are not normalized in a pass of
         # their own: the pair products normalize the rows they read, in float32 (outputs
         # differ from the training forward's in the last bits: it rounds the normalized rows
@@ -904,7 +929,9 @@ def chunk_kda(
         o, final_state, _, h = chunk_kda_fwd(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
             cu_seqlens, layout, gate, store_states=return_intermediate_states,
-            l2norm=use_qk_l2norm_in_kernel)
+            l2norm=use_qk_l2norm_in_kernel,
+            prepare_beta=functools.partial(kernel_beta, sigmoid=use_beta_sigmoid_in_kernel,
+                                           neg_eigval=allow_neg_eigval))
         if not return_intermediate_states:
             return o, final_state
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)

@@ -51,3 +51,14 @@ def activate_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Te
 def activate_beta(beta: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
     b = torch.sigmoid(beta.float())
     return 2 * b if allow_neg_eigval else b
+
+
+def kernel_beta(out: torch.Tensor, beta: torch.Tensor, sigmoid: bool, neg_eigval: bool) -> None:
+    """Writes beta as the kernels read it into ``out`` (float32, contiguous, beta's shape): the
+    caller's values, or with ``sigmoid`` ``activate_beta``'s, the same bits."""
+    if not sigmoid:
+        out.copy_(beta)
+        return
+    torch.sigmoid(beta.float(), out=out)
+    if neg_eigval:
+        out.mul_(2)
