@@ -63,7 +63,7 @@ KERNELS = {
     'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, L2NORM=False), {},
                  [(1, 3, None), (2, 3, 128)]),
     # Inference with use_qk_l2norm_in_kernel: raw q, k rows, normalized in the kernel.
-    'pair_fwd_norms': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, L2NORM=True), {}, [(1, 3, None)]),
+    'pair_fwd_norms': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, L2NORM=True), {}, [(1, 2, None)]),
     'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=False, L2NORM=False, DOT_DTYPE=tl.float16),
                       dict(dtype=torch.float16), [(1, 3, None)]),
     'solve': (chunk_solve_kernel, {}, {}, [(2, 2, None), (1, 2, None), (4, 2, None)]),

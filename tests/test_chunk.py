@@ -1021,7 +1021,7 @@ def compile_shared(stage, dtype, K, few, transposed):
     if stage.startswith('state_'):
         cfg = chunk_mod.state_launch_config(stage, K, K, 4, torch.device('cpu'), dtype)
     else:
-        cfg = chunk_mod.launch_config(stage.removesuffix('_norms'), K, K)
+        cfg = chunk_mod.launch_config(stage, K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
                   SLICES_INNERMOST=cfg.get('SLICES_INNERMOST', False),
                   GATE='sigmoid' if stage in RAW_GATE else 'none',

@@ -145,6 +145,16 @@ TUNING = {
     'cumsum_raw': dict(BK=64, num_warps=2),
     'cumsum_raw_decayed': dict(BK=64, num_warps=4, maxnreg=96),
     'pair_fwd': dict(BK=32, num_warps=1, num_stages=3),
+    # The inference build that normalizes raw q and k itself (L2NORM): its prologue reads block
+    # I's rows for their norms, and the main loop reads them again, from cache. H200, inference
+    # forward ms, 2 stages against 3 (twenty-eighth session, ab.py, 3 rounds, g pre-computed /
+    # Kimi): (8, 4096, 16) -0.005 / -0.002, (1, 32768, 32) -0.010 / -0.007, (1, 8192, 96)
+    # +0.001 / +0.009, (4, 8192, 32) -0.013 / -0.010, varlen -0.022 / -0.022. Against 3 stages
+    # at three of those shapes (2 rounds): 4 stages +0.003 to +0.015, 16-wide +0.14 to +0.32,
+    # 2 warps +0.14 to +0.29, 64-wide with 4 warps +0.30 to +0.60. Before L2NORM, with the norms
+    # read in a pass of their own, 2 stages had read +0.004 / -0.002 at (1, 32768, 32)
+    # (BENCHMARKS.md note 134).
+    'pair_fwd_norms': dict(BK=32, num_warps=1, num_stages=2),
     'solve': dict(num_warps=1),
     'state_fwd': dict(BV=64, num_warps=4, num_stages=2),
     # H200 sweep at e525316, (8, 4096, 16) / (1, 8192, 96), ms a call: 0.418 / 0.791 with 1 stage
@@ -458,7 +468,7 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
         BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
         # float16's range ends at 65504: no factor >= 1 on its operands.
         FACTORED_DIAG=dt != torch.float16, L2NORM=l2norm, IS_VARLEN=is_varlen, **chunks,
-        **launch_config('pair_fwd', K, K))
+        **launch_config('pair_fwd_norms' if l2norm else 'pair_fwd', K, K))
     chunk_solve_kernel[(layout.total, HV)](
         beta, s1.Akk, s1.Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen,
         **chunks, **launch_config('solve', K, K))
