@@ -124,8 +124,8 @@ TUNING = {
     # Not swept again since 6b02cbb, where the forward's cumsum build stopped writing the decayed
     # keys and queries (0.143 ms; ptxas: 28 B of spills at the 96 cap) and the pair products
     # started (0.444 ms; 251 registers at 1 warp, no spills). The inference build that
-    # normalizes raw q and k itself (L2NORM) shares pair_fwd's entry, not swept: 255 registers
-    # at 1 warp, no spills (ptxas, triton 3.6).
+    # normalizes raw q and k itself (L2NORM) has an entry of its own, pair_fwd_norms (timed
+    # end to end, not by this sweep): 255 registers at 1 warp, no spills (ptxas, triton 3.6).
     # 'cumsum' / 'cumsum_raw': the forward's builds (c only); '_decayed': the backward recompute's
     # (c and the decayed keys and queries).
     'cumsum': dict(BK=64, num_warps=4, maxnreg=96),
