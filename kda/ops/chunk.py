@@ -572,10 +572,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     caller's, and ``prepare_beta(out, beta)`` writes the float32 copy the kernels read
     (``kernel_beta``); it runs on the side stream beside the first cumsum, which does not read
     it, and not at the head of the current stream's chain (at SEGMENT_MIN_TOKEN_HEADS and
-    above). H200, inference forward ms, the
-    Kimi configuration's two PyTorch kernels (beta's float copy and sigmoid) taken off that
-    chain altogether (beta given activated, in float32; twenty-eighth session, 4 rounds):
-    (1, 32768, 32) -0.007, (8, 4096, 16) -0.008, (1, 8192, 96) -0.010.
+    above). H200, Kimi inference forward ms at (8, 4096, 16) / (1, 32768, 32) / (1, 8192, 96)
+    (twenty-eighth session, BENCHMARKS.md note 137): -0.003 / -0.004 / -0.001 against beta's two
+    PyTorch kernels (float copy, sigmoid) at the chain's head; beta given activated in float32,
+    the bound, read -0.008 / -0.007 / -0.010 against that head.
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
