@@ -369,24 +369,29 @@ def _cumsum_floor(x, s0, do, dht, chunk_size, cu_seqlens=None, **opts):
 
 
 @requires_kernels
-@pytest.mark.parametrize('beta_case', ['logits', 'logits-neg-eigval', 'given-strided'])
+@pytest.mark.parametrize('beta_case', ['logits', 'logits-neg-eigval', 'logits-fp16', 'logits-permuted',
+                                       'given', 'given-fp16', 'given-strided'])
 def test_inference_beta_as_training(beta_case):
     """Inference forms the kernels' float32 beta inside the forward, on the side stream
     (``prepare_beta``): from the caller's logits (``use_beta_sigmoid_in_kernel``, with
-    ``allow_neg_eigval`` 2 sigmoid) or from a given beta, here a strided view. The
+    ``allow_neg_eigval`` 2 sigmoid) or from a given beta (a float32 contiguous one as it is). The
     outputs and final state equal the training forward's bit for bit, which activates beta
     through autograd first and is checked against float64 elsewhere (no l2norm in the kernel:
-    with it, inference normalizes q and k in other kernels)."""
+    with it, inference normalizes q and k in other kernels). 'fp16': every input in float16
+    (the sigmoid then reads 16-bit logits); 'permuted': a dense beta in [B, HV, T] order, whose
+    sigmoid the CPU rounds otherwise than a contiguous one's; 'strided': every other entry of a
+    [B, T, 2 HV] tensor."""
     B, T, H, HV, K, V = 1, 45, 1, 2, 16, 24
-    x = make_inputs(B, T, H, HV, K, V)
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.float16 if beta_case.endswith('fp16') else torch.float32)
     opts = dict(chunk_size=32)
     if beta_case.startswith('logits'):
-        x['beta'] = 2 * torch.randn(B, T, HV)
+        x['beta'] = (2 * torch.randn(B, T, HV)).to(x['q'].dtype)
+        if beta_case.endswith('permuted'):
+            x['beta'] = x['beta'].transpose(1, 2).contiguous().transpose(1, 2)
         opts.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=beta_case.endswith('neg-eigval'))
-    else:
-        # Every other entry of a [B, T, 2 HV] tensor.
+    elif beta_case.endswith('strided'):
         x['beta'] = torch.stack([x['beta'], torch.rand(B, T, HV)], -1).flatten(-2)[..., ::2]
-        assert not x['beta'].is_contiguous()
+    assert x['beta'].is_contiguous() == (beta_case.split('-')[-1] not in ('permuted', 'strided'))
     s0 = make_state(B, HV, K, V)
     o_train, ht_train, _, _, _ = run_chunk(x, s0, grads=True, **opts)
     with torch.no_grad():
@@ -396,26 +401,33 @@ def test_inference_beta_as_training(beta_case):
 
 
 @requires_cuda
-@pytest.mark.parametrize('segmented', [False, True])
-def test_inference_beta_ordered_before_its_readers(monkeypatch, segmented):
+@pytest.mark.parametrize('case', ['whole', 'segmented', 'segmented-busy'])
+def test_inference_beta_ordered_before_its_readers(monkeypatch, case):
     """The side stream's beta (``prepare_beta``) is written behind ~5 ms of sleep after being
     filled with NaN: a pair product, solve or sweep that read it before the current stream joined
-    the side stream would make the outputs NaN or differ. Whole (two sequences) and in time
-    segments (one), both past the forced SEGMENT_MIN_TOKEN_HEADS."""
+    the side stream would make the outputs NaN or differ. And the caller's beta is itself written
+    behind ~5 ms of sleep on the current stream after a NaN fill: a side stream that did not wait
+    for it would read NaN. Whole (two sequences), in time segments (one) and in segments after
+    the cumsum of the whole sequence (12 SMs claimed, ``busy_sweep``), all past the forced
+    SEGMENT_MIN_TOKEN_HEADS."""
     monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
-    B = 1 if segmented else 2
+    if case.endswith('busy'):
+        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 12)
+    B = 2 if case == 'whole' else 1
     x = make_inputs(B, 1500, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda')
-    x['beta'] = torch.randn(B, 1500, 4, device='cuda')
+    logits = torch.randn(B, 1500, 4, device='cuda')
     h0 = make_state(B, 4, 128, 128, device='cuda')
     layout = chunk_mod.chunk_layout(B, 1500, 64, None, None)
-    assert (chunk_mod.forward_segments(B, 1500, 4, 128, 128, layout, None, False,
-                                       torch.device('cuda')) is not None) == segmented
+    dev = torch.device('cuda')
+    assert (chunk_mod.forward_segments(B, 1500, 4, 128, 128, layout, None, False, dev) is not None) == (B == 1)
+    assert chunk_mod.busy_sweep(4, 128, 128, dev) == case.endswith('busy')
 
-    def forward():
+    def forward(beta):
         with torch.no_grad():
-            return chunk_kda(**x, initial_state=h0, output_final_state=True, use_beta_sigmoid_in_kernel=True)
+            return chunk_kda(**dict(x, beta=beta), initial_state=h0, output_final_state=True,
+                             use_beta_sigmoid_in_kernel=True)
 
-    want = forward()
+    want = forward(logits)
     prepare = chunk_mod.kernel_beta
 
     def late(out, beta, **kw):
@@ -424,7 +436,10 @@ def test_inference_beta_ordered_before_its_readers(monkeypatch, segmented):
         prepare(out, beta, **kw)
 
     monkeypatch.setattr(chunk_mod, 'kernel_beta', late)
-    got = forward()
+    beta = torch.full_like(logits, float('nan'))
+    torch.cuda._sleep(10 ** 7)
+    beta.copy_(logits)
+    got = forward(beta)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

@@ -924,7 +924,7 @@ def chunk_kda(
     if not inference:
         if use_beta_sigmoid_in_kernel:
             beta = activate_beta(beta, allow_neg_eigval)
-        beta = beta.to(torch.float32).contiguous()
+        beta = beta.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
     q, k, v, g, initial_state, cu_seqlens = contiguous(q, k, v, g, initial_state, cu_seqlens)
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
@@ -932,6 +932,9 @@ def chunk_kda(
     # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
     gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
     if inference:
+        # A float32, contiguous beta that is not logits is what the kernels read, as it is.
+        ready = (not use_beta_sigmoid_in_kernel and beta.dtype == torch.float32
+                 and beta.is_contiguous())
         # Inference: nothing is kept for a backward, so q and k are not normalized in a pass of
         # their own: the pair products normalize the rows they read, in float32 (outputs
         # differ from the training forward's in the last bits: it rounds the normalized rows
@@ -940,8 +943,8 @@ def chunk_kda(
             q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
             cu_seqlens, layout, gate, store_states=return_intermediate_states,
             l2norm=use_qk_l2norm_in_kernel,
-            prepare_beta=functools.partial(kernel_beta, sigmoid=use_beta_sigmoid_in_kernel,
-                                           neg_eigval=allow_neg_eigval))
+            prepare_beta=None if ready else functools.partial(
+                kernel_beta, sigmoid=use_beta_sigmoid_in_kernel, neg_eigval=allow_neg_eigval))
         if not return_intermediate_states:
             return o, final_state
         h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)

@@ -55,10 +55,14 @@ def activate_beta(beta: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
 
 def kernel_beta(out: torch.Tensor, beta: torch.Tensor, sigmoid: bool, neg_eigval: bool) -> None:
     """Writes beta as the kernels read it into ``out`` (float32, contiguous, beta's shape): the
-    caller's values, or with ``sigmoid`` ``activate_beta``'s, the same bits."""
+    caller's values, or with ``sigmoid`` ``activate_beta``'s, the same bits. A non-contiguous
+    beta of logits goes through ``activate_beta`` itself: on the CPU, the sigmoid of a permuted
+    tensor (whose layout the result keeps) and of a contiguous one round differently."""
     if not sigmoid:
         out.copy_(beta)
-        return
-    torch.sigmoid(beta.float(), out=out)
-    if neg_eigval:
-        out.mul_(2)
+    elif not beta.is_contiguous():
+        out.copy_(activate_beta(beta, neg_eigval))
+    else:
+        torch.sigmoid(beta.float(), out=out)
+        if neg_eigval:
+            out.mul_(2)
