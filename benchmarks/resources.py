@@ -46,7 +46,7 @@ def report(name, fn, values, dtype, launches, **signature_options):
 
 bf = '*bf16'
 common = dict(H=16, HV=16, K=128, V=128, BT=64, BC=16, DOT_DTYPE=tl.bfloat16, IS_VARLEN=False,
-              SLICES_INNERMOST=False)
+              SLICES_INNERMOST=False, PDL=True)
 # The raw gate (bf16) and its parameters present.
 gated = dict(absent=OPTIONAL - {'A_log', 'dt_bias'}, pointers=dict(g=bf))
 # name: (kernel, constexpr values beyond common, input dtype (default bf16) and launch_signature

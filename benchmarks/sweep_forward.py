@@ -29,8 +29,8 @@ from kda import chunk_kda  # noqa: E402
 from kda.ops import chunk as chunk_ops  # noqa: E402
 
 
-def pair(stage, BK, warps, stages):
-    return {('TUNING', stage): dict(BK=BK, num_warps=warps, num_stages=stages)}
+def pair(stage, BK, warps, stages, maxnreg=None):
+    return {('TUNING', stage): dict(BK=BK, num_warps=warps, num_stages=stages, maxnreg=maxnreg)}
 
 
 def few_programs(**kw):
@@ -44,6 +44,9 @@ VARIANTS = {
     'pair_s3': pair('pair_fwd_norms', 32, 1, 3), 'pair_s4': pair('pair_fwd_norms', 32, 1, 4),
     'pair_bk16': pair('pair_fwd_norms', 16, 1, 3), 'pair_w2': pair('pair_fwd_norms', 32, 2, 3),
     'pair_bk64_w4': pair('pair_fwd_norms', 64, 4, 2),
+    # At most 200 registers, 5 one-warp programs fit in the half of an SM's registers that a
+    # few-program sweep program leaves (10 an SM alone, against 8 at 255).
+    'pair_r200': pair('pair_fwd_norms', 32, 1, 2, 200), 'pair_r200_s3': pair('pair_fwd_norms', 32, 1, 3, 200),
     'cumsum_raw_bk128_w4': {('TUNING', 'cumsum_raw'): dict(BK=128, num_warps=4)},
     'cumsum_raw_w4': {('TUNING', 'cumsum_raw'): dict(BK=64, num_warps=4)},
     'few_s3': few_programs(num_stages=3), 'few_s1': few_programs(num_stages=1),

@@ -1042,7 +1042,7 @@ def compile_shared(stage, dtype, K, few, transposed):
                   GATE='sigmoid' if stage in RAW_GATE else 'none',
                   DECAYED=stage not in ('cumsum', 'cumsum_raw'),
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
-                  L2NORM=stage == 'pair_fwd_norms',
+                  L2NORM=stage == 'pair_fwd_norms', PDL=True,
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,
                   **{n: cfg[n] for n in ('BK', 'BV') if n in cfg})

@@ -5,6 +5,7 @@ Every per-token tensor is addressed as rows of ``[B * T, heads, D]`` (row = toke
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -323,3 +324,28 @@ def scale_rows(b_p):
     zero; a NaN stays NaN)."""
     b_s = tl.max(tl.abs(b_p), axis=1)
     return b_p * tl.where(b_s > 0, 1. / b_s, 0.)[:, None], b_s
+
+
+# Programmatic dependent launch (Hopper and later; ``kda/ops/chunk.py``, ``dependent_launch``): a
+# kernel launched with ``launch_pdl`` may start while the kernel before it on its stream still
+# runs, once every program of that one has passed ``release_dependent``. PDL False (the
+# interpreter, older GPUs) compiles both helpers to nothing.
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Blocks until the kernel before this one on the stream has finished and its writes are
+    visible. A PDL-launched kernel calls it before it reads what that kernel wrote and before it
+    writes anything (its buffers may be memory that kernel still reads); before it, it may read
+    only tensors written before that kernel started."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_dependent(PDL: tl.constexpr):
+    """Lets the next kernel on the stream, if PDL-launched, start its programs on the SMs this
+    kernel's finished programs leave. Called after ``wait_for_previous``, so the next kernel's
+    early reads (see there) find everything before this kernel complete."""
+    if PDL:
+        gdc_launch_dependents()

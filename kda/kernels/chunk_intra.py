@@ -25,13 +25,15 @@ one program per row block of a chunk, the key slices outermost; the forward's de
 queries) and ``chunk_solve_kernel`` (M, one program per chunk). The WY
 form's W = M diag(beta) Kg and U = M diag(beta) v are never formed: the state sweeps apply M
 themselves (``chunk_state.py``). The backward keeps the forward's Aqk, A' and M and recomputes
-only the cumsum kernel's tensors.
+only the cumsum kernel's tensors. On Hopper the pair products and the solve are launched as
+programmatic dependents of the kernel before them (``PDL``, ``chunk_common.wait_for_previous``).
 """
 import triton
 import triton.language as tl
 
 from kda.kernels.chunk_common import (chunk_span, clamp_log_decay, exp_ftz, exp_nonpos, load_row,
-                                      load_rows, load_tile, mm, mm_fine, store_tile)
+                                      load_rows, load_tile, mm, mm_fine, release_dependent, store_tile,
+                                      wait_for_previous)
 from kda.kernels.gate import log_decay_tile
 from kda.kernels.l2norm import inverse_norm
 
@@ -253,7 +255,7 @@ def chunk_cumsum_kernel(
     chunk_rows,
     scale, lower_bound, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    GATE: tl.constexpr, DECAYED: tl.constexpr, IS_VARLEN: tl.constexpr,
+    GATE: tl.constexpr, DECAYED: tl.constexpr, IS_VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """``gc`` = in-chunk cumulative log-decay ``c`` of a ``[BT, BK]`` slice; with ``DECAYED`` (the
     backward's recompute) also the keys decayed to the chunk's end, ``kbar = k exp(c_last - c)``,
@@ -266,6 +268,8 @@ def chunk_cumsum_kernel(
     that the safe factorizations rely on: its key channel becomes NaN for the whole chunk, so this
     chunk's outputs and everything after are NaN rather than silently wrong."""
     NK: tl.constexpr = (K + BK - 1) // BK
+    # Not PDL-launched itself: it starts once everything before it is done.
+    release_dependent(PDL)
     i_c, i_hvk = tl.program_id(0), tl.program_id(1)
     i_hv, i_k = i_hvk // NK, i_hvk % NK
     i_h = i_hv // (HV // H)
@@ -307,7 +311,7 @@ def chunk_pair_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     FACTORED_DIAG: tl.constexpr, L2NORM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row block I of ``Aqk`` (scale included) and of ``A' = A / beta`` (both kept for the
     backward): the diagonal block and the blocks J < I. One program per (chunk, I): the row
@@ -354,6 +358,10 @@ def chunk_pair_fwd_kernel(
     if L2NORM:
         b_rq = row_inverse_norms(q_base, i_i * BC + o_c, L, H, K, BK)
         b_rk = row_inverse_norms(k_base, i_i * BC + o_c, L, H, K, BK)
+    # q and k are inputs, written before the cumsum kernel started: their norms may be formed
+    # while it drains. c may not.
+    wait_for_previous(PDL)
+    release_dependent(PDL)
     # Key slices outermost: block I's rows and their factors, formed once a slice, serve the
     # diagonal block and every block J < I (one reference row for all of them).
     for i_k in range(tl.cdiv(K, BK)):
@@ -407,9 +415,11 @@ def chunk_solve_kernel(
     chunk_rows,
     T, NT,
     HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """``M = (I + diag(beta) A')^-1`` of one chunk and value head."""
+    wait_for_previous(PDL)
+    release_dependent(PDL)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
     K_base = Akk + start * HV * BT + i_hv * BT

@@ -29,8 +29,8 @@ from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
-from kda.ops.utils import (cdiv, contiguous, fork, join, next_pow2, on_q_device, state_strides,
-                           use_kernels)
+from kda.ops.utils import (INTERPRET, cdiv, contiguous, fork, join, next_pow2, on_q_device,
+                           state_strides, use_kernels)
 from kda.ops.validation import _expect_bool, validate_activations, validate_chunk_size, validate_inputs
 from kda.reference import chunk_kda_reference
 
@@ -263,6 +263,19 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether stage 1's kernels chain by programmatic dependent launch on ``device`` (CUDA,
+    compute capability 9.0 and later; not the interpreter): the pair products and the solve are
+    launched with ``launch_pdl`` and start as the kernel before them drains, the pair products
+    forming their rows' norms meanwhile (``kernels/chunk_common.py``, ``wait_for_previous``).
+    H200, inference forward ms against the same kernels launched plainly (twenty-ninth session,
+    ``ab.py``, 2 rounds, Kimi / g pre-computed; outputs and gradients bit for bit the same):
+    (1, 8192, 96) -0.021 / -0.016, varlen batch -0.011 / -0.013, (8, 4096, 16) -0.001 / +0.002,
+    (1, 32768, 32) -0.001 / +0.005, (4, 8192, 32) +0.004 / +0.008."""
+    return device.type == 'cuda' and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def launch_config(stage: str, K: int, V: int) -> dict:
     """Keyword arguments for launching ``stage``'s kernel at head dims K, V (see ``TUNING``)."""
     cfg = {name: value for name, value in TUNING[stage].items() if value is not None}
@@ -449,7 +462,7 @@ def stage1_cumsum(q, k, g, scale, layout: ChunkLayout, gate: KernelGate | None, 
     chunk_cumsum_kernel[(layout.total, HV * cdiv(K, cfg['BK']))](
         g, q=q, k=k, gc=s1.gc, qt=s1.qt, kbar=s1.kbar, kg=s1.kg, scale=scale, H=H, HV=HV, K=K,
         BT=layout.BT, DECAYED=decayed, IS_VARLEN=layout.rows is not None, chunk_rows=layout.rows,
-        T=T, NT=layout.NT, **gate_launch_args(gate), **cfg)
+        T=T, NT=layout.NT, PDL=dependent_launch(q.device), **gate_launch_args(gate), **cfg)
 
 
 def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
@@ -462,7 +475,8 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
     BT = layout.BT
     dt = q.dtype
     is_varlen = layout.rows is not None
-    chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT)
+    pdl = dependent_launch(q.device)
+    chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT, PDL=pdl, launch_pdl=pdl)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
         BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
