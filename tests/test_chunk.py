@@ -27,6 +27,7 @@ against float64 at T=512) are at the end.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -1053,7 +1054,20 @@ def compile_shared(stage, dtype, K, few, transposed):
     # The raw gate's build: g and its dg in the input dtype, A_log, dt_bias and the sums present.
     signature = dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'},
                      pointers={n: POINTERS[dtype] for n in ('g', 'dg')}) if stage in RAW_GATE else {}
-    return str(cfg), compile_sm90(fn, values, dtype, options, specialize=True, **signature).metadata.shared
+    kernel = compile_sm90(fn, values, dtype, options, specialize=True, **signature)
+    return str(cfg), kernel.metadata.shared, dependent_launch_order(kernel.asm['ptx'])
+
+
+# Where the PDL instructions sit in the PTX: global loads and stores before the first
+# griddepcontrol.wait (all of them where there is none), and whether launch_dependents comes after it.
+def dependent_launch_order(ptx):
+    lines = ptx.splitlines()
+    wait = next((i for i, x in enumerate(lines) if 'griddepcontrol.wait' in x), len(lines))
+    release = next((i for i, x in enumerate(lines) if 'griddepcontrol.launch_dependents' in x), None)
+    return dict(wait=wait < len(lines), release=release is not None,
+                loads=sum('ld.global' in x for x in lines[:wait]),
+                stores=sum('st.global' in x for x in lines[:wait]),
+                release_after_wait=release is not None and release > wait)
 
 
 def row(case):
@@ -1080,11 +1094,11 @@ with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.
 """
 
 
-def test_launch_shared_memory():
-    """Every chunk kernel's launch configuration fits the H200's shared memory, checked by
-    compiling for sm_90 without a GPU (no interpreter can see this: f056478 gave the gradient
-    sweep 3 stages with few programs, and float32 inputs then asked 256 KiB on the GPU, where 5
-    tests failed). A launch-table change that a bf16 sweep picked is checked in float32 here."""
+@functools.cache
+def sm90_builds():
+    """Every chunk kernel compiled for sm_90 at its launch configuration, without a GPU, once for
+    the tests that read the builds: SHARED_MEMORY_SCRIPT's rows (stage, dtype, K, few,
+    transposed, configuration, shared memory, ``dependent_launch_order``)."""
     import json
     import os
     import subprocess
@@ -1098,8 +1112,35 @@ def test_launch_shared_memory():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(rows) == 57
-    too_big = [r for r in rows if r[-1] > H200_SHARED_MEMORY]
+    return rows
+
+
+def test_launch_shared_memory():
+    """Every chunk kernel's launch configuration fits the H200's shared memory, checked by
+    compiling for sm_90 without a GPU (no interpreter can see this: f056478 gave the gradient
+    sweep 3 stages with few programs, and float32 inputs then asked 256 KiB on the GPU, where 5
+    tests failed). A launch-table change that a bf16 sweep picked is checked in float32 here."""
+    too_big = [r[:-1] for r in sm90_builds() if r[-2] > H200_SHARED_MEMORY]
     assert not too_big, f"over {H200_SHARED_MEMORY} B of shared memory: {too_big}"
+
+
+def test_dependent_launch_order():
+    """Stage 1's kernels as compiled for sm_90 (PDL on, ``kda/ops/chunk.py``,
+    ``dependent_launch``): the pair products and the solve, which may start before the kernel
+    ahead of them has finished, write nothing before their griddepcontrol.wait and read nothing
+    before it but, in the L2NORM build, their own q and k rows for the norms; each releases its
+    dependents after its wait; the cumsum, not launched early, releases them without waiting. A
+    wait moved below a load or a store, or dropped, fails here; no interpreter run can see it."""
+    order = {(r[0], r[1]): r[-1] for r in sm90_builds()
+             if r[0] in ('cumsum', 'cumsum_raw', 'pair_fwd', 'pair_fwd_norms', 'solve')}
+    assert len(order) == 11, sorted(order)   # pair_fwd in float16 too
+    for (stage, dtype), o in order.items():
+        if stage.startswith('cumsum'):
+            assert o['release'] and not o['wait'], (stage, dtype, o)
+            continue
+        assert o['wait'] and o['release_after_wait'] and o['stores'] == 0, (stage, dtype, o)
+        # The norms' loads: that the count sees loads at all.
+        assert (o['loads'] > 0) == (stage == 'pair_fwd_norms'), (stage, dtype, o)
 
 
 @requires_kernels
