@@ -1008,10 +1008,10 @@ def test_kernels_read_float32_beta(monkeypatch):
 # kernel's shared memory. A separate process: under TRITON_INTERPRET=1 the kernels are interpreted
 # functions, which Triton cannot compile. Argument types: the launchers', from kda/ops/offline.py
 # (g pre-computed in float32, the float32 scratch buffers, the states handed to the user).
-SHARED_MEMORY_SCRIPT = """
-import concurrent.futures, json, multiprocessing, os, torch
+SHARED_MEMORY_SCRIPT = r"""
+import concurrent.futures, inspect, json, multiprocessing, os, re, torch
 import kda.ops.chunk as chunk_mod
-from kda.kernels import chunk_intra, chunk_intra_bwd, chunk_state, chunk_state_bwd, chunk_state_output
+from kda.kernels import chunk_common, chunk_intra, chunk_intra_bwd, chunk_state, chunk_state_bwd, chunk_state_output
 from kda.ops.offline import OPTIONAL, POINTERS, compile_sm90
 KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'cumsum_raw': chunk_intra.chunk_cumsum_kernel,
            'cumsum_decayed': chunk_intra.chunk_cumsum_kernel,
@@ -1020,6 +1020,9 @@ KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'cumsum_raw': chunk_intra.
            # Inference with use_qk_l2norm_in_kernel: raw q and k, normalized in the kernel.
            'pair_fwd_norms': chunk_intra.chunk_pair_fwd_kernel,
            'solve': chunk_intra.chunk_solve_kernel,
+           # Varlen builds: the chunk map (chunk_rows) is read before griddepcontrol.wait.
+           'pair_fwd_norms_varlen': chunk_intra.chunk_pair_fwd_kernel,
+           'solve_varlen': chunk_intra.chunk_solve_kernel,
            'intra_bwd': chunk_intra_bwd.chunk_intra_bwd_kernel,
            'pair_bwd': chunk_intra_bwd.chunk_pair_bwd_kernel, 'pair_bwd_bounded': chunk_intra_bwd.chunk_pair_bwd_kernel,
            'gate_bwd': chunk_intra_bwd.chunk_gate_bwd_kernel, 'gate_bwd_raw': chunk_intra_bwd.chunk_gate_bwd_kernel,
@@ -1034,11 +1037,12 @@ RAW_GATE = ('gate_bwd_raw', 'cumsum_raw', 'cumsum_raw_decayed')
 def compile_shared(stage, dtype, K, few, transposed):
     chunk_mod.sm_count = lambda device: 10 ** 6 if few else 1
     fn = KERNELS[stage]
+    varlen, stage = stage.endswith('_varlen'), stage.removesuffix('_varlen')
     if stage.startswith('state_'):
         cfg = chunk_mod.state_launch_config(stage, K, K, 4, torch.device('cpu'), dtype)
     else:
         cfg = chunk_mod.launch_config(stage, K, K)
-    values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=False,
+    values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=varlen,
                   SLICES_INNERMOST=cfg.get('SLICES_INNERMOST', False),
                   GATE='sigmoid' if stage in RAW_GATE else 'none',
                   DECAYED=stage not in ('cumsum', 'cumsum_raw'),
@@ -1054,19 +1058,74 @@ def compile_shared(stage, dtype, K, few, transposed):
     # The raw gate's build: g and its dg in the input dtype, A_log, dt_bias and the sums present.
     signature = dict(absent=OPTIONAL - {'A_log', 'dt_bias', 'da', 'dbias'},
                      pointers={n: POINTERS[dtype] for n in ('g', 'dg')}) if stage in RAW_GATE else {}
+    if varlen:
+        signature['absent'] = OPTIONAL - {'chunk_rows'}
     kernel = compile_sm90(fn, values, dtype, options, specialize=True, **signature)
     return str(cfg), kernel.metadata.shared, dependent_launch_order(kernel.asm['ptx'])
 
 
-# Where the PDL instructions sit in the PTX: global loads and stores before the first
-# griddepcontrol.wait (all of them where there is none), and whether launch_dependents comes after it.
+# Where the PDL instructions sit in the PTX. Every access to global memory counts (ld/st in any
+# variant, cp.async and its bulk/tensor (TMA) forms, atomics and reductions; generic addresses
+# too), not only ld.global/st.global: the loads the software pipeliner issues are cp.async, and
+# Triton 3.6 places a loop's prologue copies above a griddepcontrol.wait inside the loop (Triton
+# issue #11905). A load before the wait must come from a source line that may read early
+# (EARLY_READS, by the PTX's .loc lines: the line itself and the line it was inlined at). The wait
+# must not sit in a loop or a branch: no branch after it goes back above it, none before it jumps
+# past it.
+def source_lines(fn):
+    src, first = inspect.getsourcelines(fn.fn)
+    return os.path.basename(inspect.getsourcefile(fn.fn)), range(first, first + len(src))
+
+
+# The rows' norms (inputs, written before the kernel ahead started) and the varlen chunk map
+# (likewise).
+EARLY_READS = (source_lines(chunk_intra.row_inverse_norms), source_lines(chunk_common.chunk_span))
+MEMORY_OP = re.compile(r'^\s*(?:@!?%\w+\s+)?((?:ld|st|cp|atom|red|multimem|prefetch|prefetchu)\.[\w.:]*)')
+LABEL = re.compile(r'^\s*(\$L\w+):')
+BRANCH = re.compile(r'\bbra(?:\.uni)?\s+(\$L\w+)')
+PTX_FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]+)"')
+LOC = re.compile(r'^\s*\.loc\s+(\d+)\s+(\d+)')
+
+
+# None for an instruction that does not touch global memory, else 'load' or 'store'.
+def global_access(op):
+    if any(w in op for w in ('commit_group', 'wait_group', 'wait_all', '.param', '.local', '.const')):
+        return None
+    if '.shared' in op and '.global' not in op:
+        return None
+    if op.startswith('cp.'):       # cp.<...>.<destination>.<source>
+        return 'store' if '.global' in op and op.index('.global') < op.find('.shared') else 'load'
+    return 'load' if op.startswith(('ld.', 'prefetch')) else 'store'
+
+
 def dependent_launch_order(ptx):
     lines = ptx.splitlines()
+    files = {m.group(1): os.path.basename(m.group(2)) for m in map(PTX_FILE.match, lines) if m}
     wait = next((i for i, x in enumerate(lines) if 'griddepcontrol.wait' in x), len(lines))
     release = next((i for i, x in enumerate(lines) if 'griddepcontrol.launch_dependents' in x), None)
+    labels = {m.group(1): i for i, m in enumerate(map(LABEL.match, lines)) if m}
+    loads = stores = 0
+    unexplained, frames = [], []
+    for x in lines[:wait]:
+        m = LOC.match(x)
+        if m:
+            frames = [(files.get(m.group(1)), int(m.group(2)))]
+            frames += [(files.get(f), int(n)) for f, n in re.findall(r'inlined_at\s+(\d+)\s+(\d+)', x)]
+            frames += [(f, int(n)) for f, n in re.findall(r'([\w.]+\.py):(\d+)', x.partition('//')[2])]
+            continue
+        op = MEMORY_OP.match(x)
+        kind = op and global_access(op.group(1))
+        if kind == 'store':
+            stores += 1
+        elif kind == 'load':
+            loads += 1
+            if not any(f == name and n in span for f, n in frames for name, span in EARLY_READS):
+                unexplained.append(x.strip())
+    targets = [(i, labels.get(m.group(1))) for i, m in enumerate(map(BRANCH.search, lines)) if m]
     return dict(wait=wait < len(lines), release=release is not None,
-                loads=sum('ld.global' in x for x in lines[:wait]),
-                stores=sum('st.global' in x for x in lines[:wait]),
+                loads=loads, stores=stores, unexplained=unexplained[:5],
+                back_edges=sum(i > wait and t is not None and t < wait for i, t in targets),
+                skips=sum(i < wait and t is not None and t > wait for i, t in targets),
                 release_after_wait=release is not None and release > wait)
 
 
@@ -1111,7 +1170,7 @@ def sm90_builds():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 57
+    assert len(rows) == 61
     return rows
 
 
@@ -1127,20 +1186,132 @@ def test_launch_shared_memory():
 def test_dependent_launch_order():
     """Stage 1's kernels as compiled for sm_90 (PDL on, ``kda/ops/chunk.py``,
     ``dependent_launch``): the pair products and the solve, which may start before the kernel
-    ahead of them has finished, write nothing before their griddepcontrol.wait and read nothing
-    before it but, in the L2NORM build, their own q and k rows for the norms; each releases its
-    dependents after its wait; the cumsum, not launched early, releases them without waiting. A
-    wait moved below a load or a store, or dropped, fails here; no interpreter run can see it."""
-    order = {(r[0], r[1]): r[-1] for r in sm90_builds()
-             if r[0] in ('cumsum', 'cumsum_raw', 'pair_fwd', 'pair_fwd_norms', 'solve')}
-    assert len(order) == 11, sorted(order)   # pair_fwd in float16 too
+    ahead of them has finished, write nothing to global memory before their griddepcontrol.wait
+    and read nothing before it but, in the L2NORM build, their own q and k rows for the norms and,
+    in the varlen builds, the chunk map (by source line; cp.async, TMA and atomics count); the
+    wait is in no loop or branch; each releases its dependents after its wait; the cumsum, not
+    launched early, releases them without waiting. A wait moved below a load or a store, into
+    the key loop, or dropped, fails here; no interpreter run can see it. Read from the Triton
+    that runs the test (the GPU host's 3.6 there, CI's newer one here)."""
+    stages = ('cumsum', 'cumsum_raw', 'pair_fwd', 'pair_fwd_norms', 'solve', 'pair_fwd_norms_varlen',
+              'solve_varlen')
+    order = {(r[0], r[1]): r[-1] for r in sm90_builds() if r[0] in stages}
+    assert len(order) == 15, sorted(order)   # pair_fwd in float16 too
     for (stage, dtype), o in order.items():
         if stage.startswith('cumsum'):
             assert o['release'] and not o['wait'], (stage, dtype, o)
             continue
         assert o['wait'] and o['release_after_wait'] and o['stores'] == 0, (stage, dtype, o)
-        # The norms' loads: that the count sees loads at all.
-        assert (o['loads'] > 0) == (stage == 'pair_fwd_norms'), (stage, dtype, o)
+        assert not o['unexplained'] and not o['back_edges'] and not o['skips'], (stage, dtype, o)
+        # The norms' loads (and the varlen chunk map's beside them): that the count sees loads at
+        # all. The solve waits first, before its chunk map too.
+        assert (o['loads'] > 0) == stage.startswith('pair_fwd_norms'), (stage, dtype, o)
+
+
+STAGE1_KERNELS = ('chunk_cumsum_kernel', 'chunk_pair_fwd_kernel', 'chunk_solve_kernel')
+
+
+@pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU tensors)")
+@pytest.mark.parametrize('case', ['train-segmented', 'train-busy-keep', 'inference-segmented',
+                                  'inference-busy', 'inference-whole', 'varlen-intermediate'])
+def test_dependent_launch_chain(monkeypatch, case):
+    """The launch side of PDL (``dependent_launch`` forced on; kda.ops.chunk's kernels recorded,
+    not run): only the pair products and the solve are launched with ``launch_pdl``, and always
+    with ``PDL`` (their waits) compiled in; the cumsum never (it releases its dependents at its
+    start without waiting, so it must not start early itself); no other kernel is. And on the
+    stream where they run, each PDL launch comes right after one of stage 1's kernels (event
+    records and waits aside), never after a PyTorch operation or another module's kernel: the
+    pair products read q and k before their wait (L2NORM), which only a kernel that was not
+    launched early, or that waited before releasing, makes safe (a kernel that does not release
+    lets its dependent start as it exits, before its writes are flushed: NVIDIA/cccl#9134).
+    Training (segmented; the busy sweep, disable_recompute), inference with beta logits (the
+    side stream's beta: segmented, busy, whole) and varlen with the intermediate states."""
+    import contextlib
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(chunk_mod, 'dependent_launch', lambda device: True)
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 4 if 'busy' in case else 10 ** 6)
+    ours = {getattr(chunk_mod, n) for n in dir(chunk_mod) if n.endswith('_kernel')}
+    seen, where = [], {'side': False, 'inside': False}
+
+    class Side:                               # the side stream kda.ops.utils.fork hands out
+        device = torch.device('cpu')
+
+    def fork(device):
+        seen.append(('fork', where['side'], {}))
+        return Side()
+
+    def join(side):
+        if side is not None:
+            seen.append(('join', where['side'], {}))
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, where['side'] = where['side'], s is not None or where['side']
+        try:
+            yield
+        finally:
+            where['side'] = before
+
+    run = interpreter.InterpretedFunction.run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        seen.append((self.fn.__name__, where['side'], kwargs))
+        if self in ours:                      # recorded only: PDL builds do not run here
+            return None
+        where['inside'], before = True, where['inside']
+        try:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:
+            where['inside'] = before
+
+    class Ops(TorchDispatchMode):             # PyTorch's kernels, in launch order
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if not where['inside'] and not func.is_view and 'empty' not in name and 'detach' not in name:
+                seen.append((name, where['side'], {}))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(chunk_mod, 'fork', fork)
+    monkeypatch.setattr(chunk_mod, 'join', join)
+    monkeypatch.setattr(torch.cuda, 'stream', stream)
+    monkeypatch.setattr(interpreter.InterpretedFunction, 'run', spy)
+
+    varlen, inference = case.startswith('varlen'), not case.startswith('train')
+    B, T = (2, 100) if case == 'inference-whole' else (1, 100)
+    x = make_inputs(B, T, 2, 4, 32, 48, dtype=torch.float16, normalize_k=False)
+    opts = dict(use_qk_l2norm_in_kernel=True, chunk_size=32, output_final_state=True,
+                disable_recompute=case == 'train-busy-keep')
+    if inference:
+        x['beta'] = torch.randn(B, T, 4)      # logits: the side stream forms beta's copy
+        opts.update(use_beta_sigmoid_in_kernel=True)
+    if varlen:
+        opts.update(cu_seqlens=make_cu_seqlens([30, 70]), cu_seqlens_cpu=make_cu_seqlens([30, 70]),
+                    return_intermediate_states=True)
+    leaves = {n: t.requires_grad_(not inference) for n, t in x.items()}
+    with Ops():
+        if inference:
+            with torch.no_grad():
+                chunk_kda(**leaves, **opts)
+        else:
+            o, ht = chunk_kda(**leaves, **opts)
+            (o.float().sum() + ht.sum()).backward()
+
+    launches = [(n, kw) for n, _, kw in seen if n.endswith('_kernel')]
+    assert [n for n, kw in launches if kw.get('launch_pdl')] == \
+        [n for n, _ in launches if n in STAGE1_KERNELS[1:]], launches
+    assert all(kw.get('PDL') is True for n, kw in launches if n in STAGE1_KERNELS), launches
+    segments = chunk_mod.forward_segments(B, T, 4, 32, 48, chunk_mod.chunk_layout(B, T, 32, None, None),
+                                          opts.get('cu_seqlens'), varlen, torch.device('cpu'))
+    assert (segments is not None) == case.endswith(('segmented', 'busy', 'keep')), segments
+    assert sum(n == 'chunk_pair_fwd_kernel' for n, _ in launches) == len(segments or [0]), launches
+    main = [(n, kw) for n, side, kw in seen if not side and n not in ('fork', 'join')]
+    for i, (n, kw) in enumerate(main):
+        if kw.get('launch_pdl'):
+            before, kw_before = main[i - 1] if i else ('nothing', {})
+            assert before in STAGE1_KERNELS and kw_before.get('PDL') is True, (n, main[max(0, i - 3):i + 1])
 
 
 @requires_kernels

@@ -328,8 +328,11 @@ def scale_rows(b_p):
 
 # Programmatic dependent launch (Hopper and later; ``kda/ops/chunk.py``, ``dependent_launch``): a
 # kernel launched with ``launch_pdl`` may start while the kernel before it on its stream still
-# runs, once every program of that one has passed ``release_dependent``. PDL False (the
-# interpreter, older GPUs) compiles both helpers to nothing.
+# runs, once every program of that one has passed ``release_dependent`` or exited (a kernel that
+# never releases lets it start as its programs exit, before its writes are flushed). PDL False
+# (the interpreter, older GPUs) compiles both helpers to nothing. Keep ``wait_for_previous`` out
+# of loops: Triton 3.6's software pipeliner issues a loop's first loads (cp.async) above a wait
+# inside it (triton-lang/triton#11905; ``tests/test_chunk.py::test_dependent_launch_order``).
 
 
 @triton.jit
@@ -345,7 +348,9 @@ def wait_for_previous(PDL: tl.constexpr):
 @triton.jit
 def release_dependent(PDL: tl.constexpr):
     """Lets the next kernel on the stream, if PDL-launched, start its programs on the SMs this
-    kernel's finished programs leave. Called after ``wait_for_previous``, so the next kernel's
-    early reads (see there) find everything before this kernel complete."""
+    kernel's finished programs leave. A PDL-launched kernel calls it only after
+    ``wait_for_previous``, and a kernel not launched so (which started once everything before it
+    was done) may call it anywhere: either way the next kernel's early reads (see there) find
+    everything before this kernel complete."""
     if PDL:
         gdc_launch_dependents()

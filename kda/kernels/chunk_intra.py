@@ -358,8 +358,9 @@ def chunk_pair_fwd_kernel(
     if L2NORM:
         b_rq = row_inverse_norms(q_base, i_i * BC + o_c, L, H, K, BK)
         b_rk = row_inverse_norms(k_base, i_i * BC + o_c, L, H, K, BK)
-    # q and k are inputs, written before the cumsum kernel started: their norms may be formed
-    # while it drains. c may not.
+    # q and k are inputs (and the varlen chunk map is the launcher's), written before the kernel
+    # ahead started (the cumsum, or in the segmented forward the previous segment's solve):
+    # their norms may be formed while it drains. c may not.
     wait_for_previous(PDL)
     release_dependent(PDL)
     # Key slices outermost: block I's rows and their factors, formed once a slice, serve the
