@@ -2062,6 +2062,46 @@ def test_cuda_graph_capture(monkeypatch, mode):
 
 
 @requires_cuda
+def test_cuda_graph_capture_creates_the_side_stream(monkeypatch):
+    """The inference forward's beta stream (``fork``, at SEGMENT_MIN_TOKEN_HEADS and above)
+    created for the first time inside a CUDA graph capture: B = 2, not segmented, so that no
+    earlier call of this shape used a side stream (the cached stream is dropped before the
+    capture). The replay, after new inputs are copied in, equals eager bit for bit."""
+    from kda.ops import utils
+    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    B, T, H, K, V = 2, 300, 4, 64, 64
+    layout = chunk_mod.chunk_layout(B, T, 64, None, None)
+    assert chunk_mod.forward_segments(B, T, H, K, V, layout, None, False, torch.device('cuda')) is None
+    x = make_inputs(B, T, H, H, K, V, dtype=torch.bfloat16, device='cuda', normalize_k=False)
+    x['beta'] = torch.randn(B, T, H, dtype=torch.bfloat16, device='cuda')      # logits
+
+    def forward(xs):
+        with torch.no_grad():
+            return chunk_kda(**xs, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                             output_final_state=True)
+
+    warm = torch.cuda.Stream()                       # compile outside the capture
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        forward(x)
+    torch.cuda.current_stream().wait_stream(warm)
+    torch.cuda.synchronize()
+    utils._side_stream.cache_clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward(x)
+    for trial in range(2):
+        new = make_inputs(B, T, H, H, K, V, dtype=torch.bfloat16, device='cuda', normalize_k=False)
+        new['beta'] = torch.randn(B, T, H, dtype=torch.bfloat16, device='cuda')
+        for name, t in x.items():
+            t.copy_(new[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (a, b) in enumerate(zip(captured, forward(new))):
+            assert torch.equal(a, b), f"trial {trial}: output {i} of the replay differs from eager"
+
+
+@requires_cuda
 def test_cuda_graph_capture_varlen_map():
     """A varlen forward captured in a CUDA graph on the stream where an eager call with the same
     bounds just ran (which keeps its chunk map, ``chunk_layout``): the capture builds a map of its
