@@ -269,11 +269,12 @@ def dependent_launch(device: torch.device) -> bool:
     compute capability 9.0 and later; not the interpreter): the pair products and the solve are
     launched with ``launch_pdl`` and may start as the kernel before them drains, the pair
     products forming their rows' norms meanwhile (``kernels/chunk_common.py``,
-    ``wait_for_previous``). H200, inference forward ms against the same kernels launched plainly (twenty-ninth session,
-    ``ab.py``, 2 rounds, Kimi / g pre-computed; outputs and gradients bit for bit the same):
-    (1, 8192, 96) -0.021 / -0.016, varlen batch -0.011 / -0.013, (8, 4096, 16) -0.001 / +0.002,
-    (1, 32768, 32) -0.001 / +0.005, (4, 8192, 32) +0.004 / +0.008. Not on ROCm, whose devices
-    report a compute capability too (9.x on MI200 and MI300) but have no griddepcontrol."""
+    ``wait_for_previous``). H200, inference forward ms against the same kernels launched
+    plainly (twenty-ninth session, ``ab.py``, 2 rounds, Kimi / g pre-computed; outputs and
+    gradients bit for bit the same): (1, 8192, 96) -0.021 / -0.016, varlen batch -0.011 /
+    -0.013, (8, 4096, 16) -0.001 / +0.002, (1, 32768, 32) -0.001 / +0.005, (4, 8192, 32)
+    +0.004 / +0.008. Not on ROCm, whose devices report a compute capability too (9.x on MI200
+    and MI300) but have no griddepcontrol."""
     return (device.type == 'cuda' and not INTERPRET and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
