@@ -91,7 +91,7 @@ def run(args, schedules, shapes, bench, library):
             for name, ts in sorted(times.items(), key=lambda kv: sum(kv[1])):
                 ms = sum(ts) / len(ts)
                 print(f'{name:>8} {ms:.3f} ms ({ms - base:+.3f})  rounds ' + ' '.join(f'{t:.3f}' for t in ts))
-            del inp, ref
+            inp = ref = None
             torch.cuda.empty_cache()
 
 

@@ -485,7 +485,7 @@ def test_strong_decay(chunk_size, pattern, lengths):
     errs = errors(o, ht, gd, ro, rht, rgd)
     fo, fht, fgd = _cumsum_floor(x, s0, do, dht, chunk_size, cu_seqlens=cu)
     floor = errors(fo, fht, fgd, ro, rht, rgd)
-    print(f"\nfloat32-cumsum floor: " + ' '.join(f"{n}={e:.1e}" for n, e in floor.items()))
+    print("\nfloat32-cumsum floor: " + ' '.join(f"{n}={e:.1e}" for n, e in floor.items()))
     assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"strong decay {pattern} BT={chunk_size}")
 
 
