@@ -273,8 +273,13 @@ def dependent_launch(device: torch.device) -> bool:
     plainly (twenty-ninth session, ``ab.py``, 2 rounds, Kimi / g pre-computed; outputs and
     gradients bit for bit the same): (1, 8192, 96) -0.021 / -0.016, varlen batch -0.011 /
     -0.013, (8, 4096, 16) -0.001 / +0.002, (1, 32768, 32) -0.001 / +0.005, (4, 8192, 32)
-    +0.004 / +0.008. Not on ROCm, whose devices report a compute capability too (9.x on MI200
-    and MI300) but have no griddepcontrol."""
+    +0.004 / +0.008. Inference with l2norm in the kernel only (``stage1_matrices``):
+    training's pair products have nothing to do before their wait, and early they cost (the
+    likely reason: their waiting programs hold SMs the other stream's sweep could use). H200,
+    forward + backward ms against 2c22fcc's plain launches (``ab.py``, 3 rounds, Kimi / g
+    pre-computed): (1, 32768, 32) +0.166 / -0.012 with PDL, -0.020 / -0.017 without;
+    (1, 8192, 96) -0.006 / -0.018 with, +0.003 / -0.008 without. Not on ROCm, whose devices
+    report a compute capability too (9.x on MI200 and MI300) but have no griddepcontrol."""
     return (device.type == 'cuda' and not INTERPRET and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
@@ -478,7 +483,9 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
     BT = layout.BT
     dt = q.dtype
     is_varlen = layout.rows is not None
-    pdl = dependent_launch(q.device)
+    # Early only where the pair products have work before their wait (the rows' norms; training
+    # normalized q and k before): see dependent_launch for the cost in training.
+    pdl = l2norm and dependent_launch(q.device)
     chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT, PDL=pdl, launch_pdl=pdl)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
