@@ -1047,7 +1047,10 @@ def compile_shared(stage, dtype, K, few, transposed):
                   GATE='sigmoid' if stage in RAW_GATE else 'none',
                   DECAYED=stage not in ('cumsum', 'cumsum_raw'),
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
-                  L2NORM=stage == 'pair_fwd_norms', PDL=True,
+                  L2NORM=stage == 'pair_fwd_norms',
+                  # As launched: early (the waits) only the l2norm inference's pair products and
+                  # solve; the cumsum releases its dependents always (kda/ops/chunk.py).
+                  PDL=stage.startswith(('cumsum', 'pair_fwd_norms', 'solve')),
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,
                   **{n: cfg[n] for n in ('BK', 'BV') if n in cfg})
@@ -1136,7 +1139,7 @@ def row(case):
 
 # The fused forward sweep runs transposed always; the carry and the gradient sweep either way with
 # many programs (transposed up to 1.5 waves, kda.ops.chunk.transposed_sweeps), transposed with few.
-cases = [('pair_fwd', torch.float16, 128, False, False)]
+cases = [('pair_fwd', torch.float16, 128, False, False), ('pair_fwd_norms', torch.float16, 128, False, False)]
 for dtype in (torch.float32, torch.bfloat16):
     for stage in KERNELS:
         if not stage.startswith('state_'):
@@ -1170,7 +1173,7 @@ def sm90_builds():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 61
+    assert len(rows) == 62
     return rows
 
 
@@ -1185,18 +1188,17 @@ def test_launch_shared_memory():
 
 def test_dependent_launch_order():
     """Stage 1's kernels as compiled for sm_90 (PDL on, ``kda/ops/chunk.py``,
-    ``dependent_launch``): the pair products and the solve, which may start before the kernel
-    ahead of them has finished, write nothing to global memory before their griddepcontrol.wait
-    and read nothing before it but, in the L2NORM build, their own q and k rows for the norms and,
+    ``stage1_matrices``): the pair products and the solve of the inference forward with l2norm
+    in the kernel, which may start before the kernel ahead of them has finished, write nothing
+    to global memory before their griddepcontrol.wait and read nothing before it but, in the L2NORM build, their own q and k rows for the norms and,
     in the varlen builds, the chunk map (by source line; cp.async, TMA and atomics count); the
     wait is in no loop or branch; each releases its dependents after its wait; the cumsum, not
     launched early, releases them without waiting. A wait moved below a load or a store, into
     the key loop, or dropped, fails here; no interpreter run can see it. Read from the Triton
     that runs the test (the GPU host's 3.6 there, CI's newer one here)."""
-    stages = ('cumsum', 'cumsum_raw', 'pair_fwd', 'pair_fwd_norms', 'solve', 'pair_fwd_norms_varlen',
-              'solve_varlen')
+    stages = ('cumsum', 'cumsum_raw', 'pair_fwd_norms', 'solve', 'pair_fwd_norms_varlen', 'solve_varlen')
     order = {(r[0], r[1]): r[-1] for r in sm90_builds() if r[0] in stages}
-    assert len(order) == 15, sorted(order)   # pair_fwd in float16 too
+    assert len(order) == 13, sorted(order)   # pair_fwd_norms in float16 too
     for (stage, dtype), o in order.items():
         if stage.startswith('cumsum'):
             assert o['release'] and not o['wait'], (stage, dtype, o)
@@ -1213,20 +1215,22 @@ STAGE1_KERNELS = ('chunk_cumsum_kernel', 'chunk_pair_fwd_kernel', 'chunk_solve_k
 
 @pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU tensors)")
 @pytest.mark.parametrize('case', ['train-segmented', 'train-busy-keep', 'inference-segmented',
-                                  'inference-busy', 'inference-whole', 'varlen-intermediate'])
+                                  'inference-busy', 'inference-whole', 'inference-plain-segmented',
+                                  'varlen-intermediate'])
 def test_dependent_launch_chain(monkeypatch, case):
     """The launch side of PDL (``dependent_launch`` forced on; kda.ops.chunk's kernels recorded,
-    not run): only the inference forward's pair products and solve are launched with
-    ``launch_pdl``, and always with ``PDL`` (their waits) compiled in; training's plainly, without
-    their waits; the cumsum never (it releases its dependents at its
-    start without waiting, so it must not start early itself); no other kernel is. And on the
-    stream where they run, each PDL launch comes right after one of stage 1's kernels (event
+    not run): only the pair products and the solve of the inference forward with l2norm in the
+    kernel are launched with ``launch_pdl``, and always with ``PDL`` (their waits) compiled in;
+    training's and the other inference's plainly, without their waits; the cumsum never (it
+    releases its dependents at its start without waiting, so it must not start early itself);
+    no other kernel is. And on the stream where they run, each PDL launch comes right after one of stage 1's kernels (event
     records and waits aside), never after a PyTorch operation or another module's kernel: the
     pair products read q and k before their wait (L2NORM), which only a kernel that was not
     launched early, or that waited before releasing, makes safe (a kernel that does not release
     lets its dependent start as it exits, before its writes are flushed: NVIDIA/cccl#9134).
     Training (segmented; the busy sweep, disable_recompute), inference with beta logits (the
-    side stream's beta: segmented, busy, whole) and varlen with the intermediate states."""
+    side stream's beta: segmented, busy, whole; segmented without l2norm) and varlen with the
+    intermediate states."""
     import contextlib
     import triton.runtime.interpreter as interpreter
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -1283,7 +1287,7 @@ def test_dependent_launch_chain(monkeypatch, case):
     varlen, inference = case.startswith('varlen'), not case.startswith('train')
     B, T = (2, 100) if case == 'inference-whole' else (1, 100)
     x = make_inputs(B, T, 2, 4, 32, 48, dtype=torch.float16, normalize_k=False)
-    opts = dict(use_qk_l2norm_in_kernel=True, chunk_size=32, output_final_state=True,
+    opts = dict(use_qk_l2norm_in_kernel=case != 'inference-plain-segmented', chunk_size=32, output_final_state=True,
                 disable_recompute=case == 'train-busy-keep')
     if inference:
         x['beta'] = torch.randn(B, T, 4)      # logits: the side stream forms beta's copy
@@ -1301,11 +1305,13 @@ def test_dependent_launch_chain(monkeypatch, case):
             (o.float().sum() + ht.sum()).backward()
 
     launches = [(n, kw) for n, _, kw in seen if n.endswith('_kernel')]
-    # Training's pair products normalize nothing (l2norm_fwd did, before): PDL there only
-    # occupied SMs with waiting programs, so only inference launches them early.
-    early = [n for n, _ in launches if n in STAGE1_KERNELS[1:]] if inference else []
+    # Early only in inference with l2norm in the kernel, where the pair products form the norms
+    # before their wait; elsewhere they have nothing to do before it (and in training, early,
+    # they cost 0.17 ms a step at one shape on the H200: kda/ops/chunk.py, dependent_launch).
+    l2norm = opts['use_qk_l2norm_in_kernel']
+    early = [n for n, _ in launches if n in STAGE1_KERNELS[1:]] if inference and l2norm else []
     assert [n for n, kw in launches if kw.get('launch_pdl')] == early, launches
-    assert all(kw.get('PDL') is (n == STAGE1_KERNELS[0] or inference)
+    assert all(kw.get('PDL') is (n == STAGE1_KERNELS[0] or inference and l2norm)
                for n, kw in launches if n in STAGE1_KERNELS), launches
     segments = chunk_mod.forward_segments(B, T, 4, 32, 48, chunk_mod.chunk_layout(B, T, 32, None, None),
                                           opts.get('cu_seqlens'), varlen, torch.device('cpu'))

@@ -25,9 +25,9 @@ one program per row block of a chunk, the key slices outermost; the forward's de
 queries) and ``chunk_solve_kernel`` (M, one program per chunk). The WY
 form's W = M diag(beta) Kg and U = M diag(beta) v are never formed: the state sweeps apply M
 themselves (``chunk_state.py``). The backward keeps the forward's Aqk, A' and M and recomputes
-only the cumsum kernel's tensors. On Hopper the inference forward's pair products (which
-normalize q and k) and solve are launched as programmatic dependents of the kernel before them
-(``PDL``, ``chunk_common.wait_for_previous``; ``kda/ops/chunk.py``, ``dependent_launch``).
+only the cumsum kernel's tensors. On Hopper the pair products and the solve of the inference
+forward with l2norm in the kernel are launched as programmatic dependents of the kernel before
+them (``PDL``, ``chunk_common.wait_for_previous``; ``kda/ops/chunk.py``, ``dependent_launch``).
 """
 import triton
 import triton.language as tl

@@ -265,20 +265,23 @@ def sm_count(device: torch.device) -> int:
 
 @functools.cache
 def dependent_launch(device: torch.device) -> bool:
-    """Whether stage 1's kernels chain by programmatic dependent launch on ``device`` (CUDA,
-    compute capability 9.0 and later; not the interpreter): the pair products and the solve are
-    launched with ``launch_pdl`` and may start as the kernel before them drains, the pair
-    products forming their rows' norms meanwhile (``kernels/chunk_common.py``,
+    """Whether ``device`` has programmatic dependent launch (CUDA, compute capability 9.0 and
+    later; not the interpreter). Where it has, the cumsum always releases its dependents, and in
+    the inference forward with l2norm in the kernel (``stage1_matrices``) the pair products and
+    the solve are launched with ``launch_pdl`` and may start as the kernel before them drains,
+    the pair products forming their rows' norms meanwhile (``kernels/chunk_common.py``,
     ``wait_for_previous``). H200, inference forward ms against the same kernels launched
     plainly (twenty-ninth session, ``ab.py``, 2 rounds, Kimi / g pre-computed; outputs and
     gradients bit for bit the same): (1, 8192, 96) -0.021 / -0.016, varlen batch -0.011 /
     -0.013, (8, 4096, 16) -0.001 / +0.002, (1, 32768, 32) -0.001 / +0.005, (4, 8192, 32)
-    +0.004 / +0.008. Inference with l2norm in the kernel only (``stage1_matrices``):
-    training's pair products have nothing to do before their wait, and early they cost (the
-    likely reason: their waiting programs hold SMs the other stream's sweep could use). H200,
-    forward + backward ms against 2c22fcc's plain launches (``ab.py``, 3 rounds, Kimi / g
+    +0.004 / +0.008. Elsewhere (training, inference without l2norm) the pair products have
+    nothing to do before their wait, and in training early launches cost at one shape (why is
+    not known; perhaps their waiting programs hold SMs the other stream's sweep could use).
+    H200, forward + backward ms against 2c22fcc's plain launches (``ab.py``, 3 rounds, Kimi / g
     pre-computed): (1, 32768, 32) +0.166 / -0.012 with PDL, -0.020 / -0.017 without;
-    (1, 8192, 96) -0.006 / -0.018 with, +0.003 / -0.008 without. Not on ROCm, whose devices
+    (1, 8192, 96) -0.006 / -0.018 with, +0.003 / -0.008 without. Inference without l2norm was
+    not timed either way. The solve never has work before its wait; it is launched early with
+    the pair products, as de318cc measured it. Not on ROCm, whose devices
     report a compute capability too (9.x on MI200 and MI300) but have no griddepcontrol."""
     return (device.type == 'cuda' and not INTERPRET and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
@@ -483,8 +486,8 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
     BT = layout.BT
     dt = q.dtype
     is_varlen = layout.rows is not None
-    # Early only where the pair products have work before their wait (the rows' norms; training
-    # normalized q and k before): see dependent_launch for the cost in training.
+    # Early only where the pair products have work before their wait (the rows' norms): see
+    # dependent_launch for the cost in training.
     pdl = l2norm and dependent_launch(q.device)
     chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT, PDL=pdl, launch_pdl=pdl)
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
