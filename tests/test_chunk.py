@@ -1187,15 +1187,16 @@ def test_launch_shared_memory():
 
 
 def test_dependent_launch_order():
-    """Stage 1's kernels as compiled for sm_90 (PDL on, ``kda/ops/chunk.py``,
-    ``stage1_matrices``): the pair products and the solve of the inference forward with l2norm
-    in the kernel, which may start before the kernel ahead of them has finished, write nothing
-    to global memory before their griddepcontrol.wait and read nothing before it but, in the L2NORM build, their own q and k rows for the norms and,
-    in the varlen builds, the chunk map (by source line; cp.async, TMA and atomics count); the
-    wait is in no loop or branch; each releases its dependents after its wait; the cumsum, not
-    launched early, releases them without waiting. A wait moved below a load or a store, into
-    the key loop, or dropped, fails here; no interpreter run can see it. Read from the Triton
-    that runs the test (the GPU host's 3.6 there, CI's newer one here)."""
+    """Stage 1's kernels as compiled for sm_90 (PDL on, ``kda/ops/chunk.py``, ``stage1_matrices``):
+    the pair products and the solve of the inference forward with l2norm in the kernel, which
+    may start before the kernel ahead of them has finished, write nothing to global memory
+    before their griddepcontrol.wait and read nothing before it but, in the L2NORM build, their
+    own q and k rows for the norms and, in the varlen builds, the chunk map (by source line;
+    cp.async, TMA and atomics count); the wait is in no loop or branch; each releases its
+    dependents after its wait; the cumsum, not launched early, releases them without waiting. A
+    wait moved below a load or a store, into the key loop, or dropped, fails here; no
+    interpreter run can see it. Read from the Triton that runs the test (the GPU host's 3.6
+    there, CI's newer one here)."""
     stages = ('cumsum', 'cumsum_raw', 'pair_fwd_norms', 'solve', 'pair_fwd_norms_varlen', 'solve_varlen')
     order = {(r[0], r[1]): r[-1] for r in sm90_builds() if r[0] in stages}
     assert len(order) == 13, sorted(order)   # pair_fwd_norms in float16 too
@@ -1222,15 +1223,15 @@ def test_dependent_launch_chain(monkeypatch, case):
     not run): only the pair products and the solve of the inference forward with l2norm in the
     kernel are launched with ``launch_pdl``, and always with ``PDL`` (their waits) compiled in;
     training's and the other inference's plainly, without their waits; the cumsum never (it
-    releases its dependents at its start without waiting, so it must not start early itself);
-    no other kernel is. And on the stream where they run, each PDL launch comes right after one of stage 1's kernels (event
-    records and waits aside), never after a PyTorch operation or another module's kernel: the
-    pair products read q and k before their wait (L2NORM), which only a kernel that was not
-    launched early, or that waited before releasing, makes safe (a kernel that does not release
-    lets its dependent start as it exits, before its writes are flushed: NVIDIA/cccl#9134).
-    Training (segmented; the busy sweep, disable_recompute), inference with beta logits (the
-    side stream's beta: segmented, busy, whole; segmented without l2norm) and varlen with the
-    intermediate states."""
+    releases its dependents at its start without waiting, so it must not start early itself); no
+    other kernel is. And on the stream where they run, each PDL launch comes right after one of
+    stage 1's kernels (event records and waits aside), never after a PyTorch operation or
+    another module's kernel: the pair products read q and k before their wait (L2NORM), which
+    only a kernel that was not launched early, or that waited before releasing, makes safe (a
+    kernel that does not release lets its dependent start as it exits, before its writes are
+    flushed: NVIDIA/cccl#9134). Training (segmented; the busy sweep, disable_recompute),
+    inference with beta logits (the side stream's beta: segmented, busy, whole; segmented
+    without l2norm) and varlen with the intermediate states."""
     import contextlib
     import triton.runtime.interpreter as interpreter
     from torch.utils._python_dispatch import TorchDispatchMode

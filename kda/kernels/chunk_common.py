@@ -330,9 +330,10 @@ def scale_rows(b_p):
 # kernel launched with ``launch_pdl`` may start while the kernel before it on its stream still
 # runs, once every program of that one has passed ``release_dependent`` or exited (a kernel that
 # never releases lets it start as its programs exit, before its writes are flushed). PDL False
-# (the interpreter, older GPUs; the builds launched plainly) compiles both helpers to nothing. Keep ``wait_for_previous`` out
-# of loops: Triton 3.6's software pipeliner issues a loop's first loads (cp.async) above a wait
-# inside it (triton-lang/triton#11905; ``tests/test_chunk.py::test_dependent_launch_order``).
+# (the interpreter, older GPUs; the builds launched plainly) compiles both helpers to nothing.
+# Keep ``wait_for_previous`` out of loops: Triton 3.6's software pipeliner issues a loop's first
+# loads (cp.async) above a wait inside it (triton-lang/triton#11905;
+# ``tests/test_chunk.py::test_dependent_launch_order``).
 
 
 @triton.jit

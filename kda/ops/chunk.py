@@ -281,8 +281,8 @@ def dependent_launch(device: torch.device) -> bool:
     pre-computed): (1, 32768, 32) +0.166 / -0.012 with PDL, -0.020 / -0.017 without;
     (1, 8192, 96) -0.006 / -0.018 with, +0.003 / -0.008 without. Inference without l2norm was
     not timed either way. The solve never has work before its wait; it is launched early with
-    the pair products, as de318cc measured it. Not on ROCm, whose devices
-    report a compute capability too (9.x on MI200 and MI300) but have no griddepcontrol."""
+    the pair products, as de318cc measured it. Not on ROCm, whose devices report a compute
+    capability too (9.x on MI200 and MI300) but have no griddepcontrol."""
     return (device.type == 'cuda' and not INTERPRET and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
