@@ -1798,6 +1798,9 @@ def test_shared_validation(no_compute):
         chunk_kda(**x, cu_seqlens=make_cu_seqlens([5, 10]))                 # ends at 15, not T = 20
     with pytest.raises(ValueError, match='cu_seqlens'):
         chunk_kda(**x, cu_seqlens=torch.tensor([0, 12, 8, 20]))             # decreasing
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must hold cu_seqlens' values"):
+        # On the CPU cu_seqlens is read too, so a well-formed host copy cannot hide it.
+        chunk_kda(**x, cu_seqlens=torch.tensor([0, 12, 8, 20]), cu_seqlens_cpu=make_cu_seqlens([8, 4, 8]))
     with pytest.raises(ValueError, match='initial_state'):
         chunk_kda(**x, cu_seqlens=make_cu_seqlens([5, 15]), initial_state=make_state(1, 2, 16, 8))
     with pytest.raises(ValueError, match='initial_state'):

@@ -231,6 +231,25 @@ def test_inplace_final_state(path, vfirst, output_final_state):
     check(o, state, ref_o, ref_ht, 'inplace')
 
 
+@pytest.mark.parametrize('pool', [False, True])
+def test_inplace_writes_are_seen_by_autograd(path, pool):
+    """The kernel writes ``out`` and the state (or the pool) in place behind autograd's back: their
+    version counters must move as a PyTorch in-place op's would, so that a backward which saved
+    them raises instead of silently using the new values (review: chunk_kda's dq, through an
+    initial state that a later decode step updated in place, came out 80 % off without an error)."""
+    B, T, H, HV, K, V = 2, 3, 1, 1, 16, 16
+    x = make_inputs(B, T, H, HV, K, V)
+    state = make_state(3 if pool else B, HV, K, V)
+    out = torch.empty(B, T, HV, V)
+    w = torch.randn(1, requires_grad=True)
+    losses = {'initial_state': (w * state).sum(), 'out': (w * out).sum()}  # each saved for dw
+    extra = dict(ssm_state_indices=torch.tensor([2, 0])) if pool else {}
+    fused_recurrent_kda(**x, initial_state=state, inplace_final_state=True, out=out, **extra)
+    for name, loss in losses.items():
+        with pytest.raises(RuntimeError, match='modified by an inplace operation'):
+            loss.backward()
+
+
 @pytest.mark.parametrize('varlen', [False, True])
 @pytest.mark.parametrize('idx_dtype', [torch.int64, torch.int32])
 def test_ssm_state_indices(path, varlen, idx_dtype):

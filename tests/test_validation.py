@@ -96,6 +96,7 @@ CASES = [
     ('g int', lambda: base(g=0), TypeError, r'g must be a torch.Tensor'),
     ('scale str', lambda: base(scale='0.5'), TypeError, r'scale'),
     ('scale tensor', lambda: base(scale=torch.tensor(0.5)), TypeError, r'scale'),
+    ('scale int beyond float', lambda: base(scale=10 ** 400), ValueError, r'scale must fit a float'),
     ('output_final_state str', lambda: base(output_final_state='yes'), TypeError, r'output_final_state'),
     ('state_v_first int', lambda: base(state_v_first=1), TypeError, r'state_v_first'),
     ('l2norm None', lambda: base(use_qk_l2norm_in_kernel=None), TypeError, r'use_qk_l2norm_in_kernel'),
@@ -115,6 +116,16 @@ CASES = [
     ('cu_seqlens list', lambda: varlen(cu_seqlens=[0, 3]), TypeError, r'cu_seqlens must be a torch.Tensor'),
     ('cu_seqlens_cpu alone', lambda: base(cu_seqlens_cpu=torch.tensor([0, 3])), ValueError, r'cu_seqlens_cpu'),
     ('cu_seqlens_cpu other shape', lambda: varlen(cu_seqlens_cpu=torch.tensor([0, 3])), ValueError, r'cu_seqlens_cpu'),
+    # cu_seqlens on the CPU is read (no sync there): a host copy that disagrees, even a well-formed
+    # one, is an error, not a choice of one of the two (review: the kernel read cu_seqlens
+    # unchecked, out of bounds for [0, 3, 600] with the host copy [0, 3, 6]).
+    ('cu_seqlens_cpu other values', lambda: varlen(cu_seqlens_cpu=torch.tensor([0, 1, 1, 3])), ValueError,
+     r"cu_seqlens_cpu must hold cu_seqlens' values \[0, 2, 2, 3\], got \[0, 1, 1, 3\]"),
+    ('cu_seqlens past T, host copy fine', lambda: varlen(cu_seqlens=torch.tensor([0, 2, 2, 600]),
+                                                        cu_seqlens_cpu=torch.tensor([0, 2, 2, 3])),
+     ValueError, r"cu_seqlens_cpu must hold cu_seqlens' values"),
+    ('cu_seqlens_cpu not on the host', lambda: varlen(cu_seqlens_cpu=torch.tensor([0, 2, 2, 3], device='meta')),
+     ValueError, r'cu_seqlens_cpu must be on the CPU.*got meta'),
     # ----- initial_state
     ('state wrong N', lambda: base(initial_state=make_state(B + 1, HV, K, V)), ValueError,
      r'initial_state must have shape \[2, 4, 8, 6\]'),
@@ -167,16 +178,31 @@ CASES = [
     ('indices list', lambda: base(ssm_state_indices=[0, 1], inplace_final_state=True),
      TypeError, r'ssm_state_indices must be a torch.Tensor'),
     ('pool wrong HV', lambda: base(ssm_state_indices=torch.tensor([0, 1]), inplace_final_state=True,
-                                   initial_state=make_state(5, H, K, V)), ValueError, r'initial_state must have shape'),
+                                   initial_state=make_state(5, H, K, V)), ValueError,
+     r'initial_state must be a state pool \[P, HV, K, V\] = \[P, 4, 8, 6\].*got \[5, 2, 8, 6\]'),
     ('pool wrong layout', lambda: base(ssm_state_indices=torch.tensor([0, 1]), inplace_final_state=True,
                                        initial_state=make_state(5, HV, V, K)), ValueError,
-     r'initial_state must have shape'),
+     r'initial_state must be a state pool'),
+    ('pool empty', lambda: base(ssm_state_indices=torch.tensor([0, 1]), inplace_final_state=True,
+                                initial_state=make_state(0, HV, K, V)), ValueError,
+     r'initial_state must be a state pool.*P >= 1.*got \[0, 4, 8, 6\]'),
+    ('pool 3-D', lambda: base(ssm_state_indices=torch.tensor([0, 1]), inplace_final_state=True,
+                              initial_state=make_state(5, HV, K, V)[0]), ValueError,
+     r'initial_state must be a state pool.*got \[4, 8, 6\]'),
+    ('pool bf16', lambda: base(ssm_state_indices=torch.tensor([0, 1]), inplace_final_state=True,
+                               initial_state=make_state(5, HV, K, V, dtype=torch.bfloat16)), TypeError,
+     r'initial_state must have dtype'),
     ('inplace without state', lambda: base(initial_state=None, inplace_final_state=True), ValueError,
      r'inplace_final_state=True requires initial_state'),
     ('inplace non-contiguous state', lambda: base(initial_state=make_state(B, HV, V, K).transpose(-1, -2),
                                                   inplace_final_state=True), ValueError,
      r'inplace_final_state=True requires a contiguous initial_state'),
     ('inplace int', lambda: base(inplace_final_state=1), TypeError, r'inplace_final_state'),
+    # The kernel writes the state behind autograd's back, so a leaf that requires grad is refused
+    # (as PyTorch refuses an in-place op on one) rather than silently overwritten.
+    ('inplace state requiring grad', lambda: base(initial_state=make_state(B, HV, K, V).requires_grad_(),
+                                                  inplace_final_state=True), ValueError,
+     r'inplace_final_state=True would overwrite initial_state, which requires grad'),
     ('out wrong shape', lambda: base(out=torch.empty(B, T, H, V)), ValueError, r'out must have shape \[2, 3, 4, 6\]'),
     ('out wrong T', lambda: base(out=torch.empty(B, T + 1, HV, V)), ValueError, r'out must have shape'),
     ('out wrong dtype', lambda: base(out=torch.empty(B, T, HV, V, dtype=torch.bfloat16)), TypeError,
@@ -184,6 +210,8 @@ CASES = [
     ('out non-contiguous', lambda: base(out=torch.empty(B, T, V, HV).transpose(-1, -2)), ValueError,
      r'out must be a contiguous'),
     ('out list', lambda: base(out=[]), TypeError, r'out must be a torch.Tensor'),
+    ('out on another device', lambda: base(out=torch.empty(B, T, HV, V, device='meta')), ValueError,
+     r'out must be a contiguous tensor on cpu, got a tensor on meta'),
 ]
 
 

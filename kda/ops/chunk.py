@@ -908,7 +908,8 @@ def chunk_kda(
     final state. A log-decay above 0 (outside the contract) or NaN makes the outputs of its chunk
     and of everything after it NaN for that head; it is never clamped into a plausible answer.
     ``cu_seqlens_cpu``, when given, must hold ``cu_seqlens``' values: the chunk map is sized from it
-    without reading ``cu_seqlens`` back (that would cost a sync), so a mismatch is not detected.
+    without reading a device ``cu_seqlens`` back (that would cost a sync), so there a mismatch is
+    not detected; a ``cu_seqlens`` on the CPU is read and must agree.
 
     Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``
     (inference only): ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]``

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
 from kda.ops.gate import activate_beta, activate_gate
@@ -28,8 +29,14 @@ def _validate_serving(problem, q, initial_state, output_final_state, state_v_fir
         if initial_state is None:
             raise ValueError("ssm_state_indices requires initial_state (the state pool [P, HV, K, V])")
         _expect_tensor('initial_state', initial_state)
-        pool = initial_state.shape[0] if initial_state.dim() == 4 else -1
-        validate_state('initial_state', initial_state, max(pool, 1), HV, K, V, state_v_first, q.device)
+        slot = (HV, V, K) if state_v_first else (HV, K, V)
+        if initial_state.dim() != 4 or initial_state.shape[0] < 1 or tuple(initial_state.shape[1:]) != slot:
+            layout = '[P, HV, V, K] (state_v_first=True)' if state_v_first else '[P, HV, K, V]'
+            raise ValueError(f"initial_state must be a state pool {layout} = [P, {', '.join(map(str, slot))}] "
+                             f"with P >= 1 slots (ssm_state_indices picks a sequence's slot), "
+                             f"got {list(initial_state.shape)}")
+        validate_state('initial_state', initial_state, initial_state.shape[0], HV, K, V, state_v_first,
+                       q.device)
     else:
         validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, q.device)
     if inplace_final_state:
@@ -37,13 +44,18 @@ def _validate_serving(problem, q, initial_state, output_final_state, state_v_fir
             raise ValueError("inplace_final_state=True requires initial_state (updated in place)")
         if not initial_state.is_contiguous():
             raise ValueError("inplace_final_state=True requires a contiguous initial_state")
+        if initial_state.requires_grad and torch.is_grad_enabled():
+            raise ValueError("inplace_final_state=True would overwrite initial_state, which requires grad "
+                             "(as an in-place PyTorch op on it would); pass initial_state.detach() or call "
+                             "under torch.no_grad()")
     if out is not None:
         _expect_tensor('out', out)
         _expect_shape('out', out, (problem.B, problem.T, HV, V), '[B, T, HV, V]')
         if out.dtype != q.dtype:
             raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
         if out.device != q.device or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous tensor on {q.device}")
+            got = 'a non-contiguous tensor' if not out.is_contiguous() else 'a tensor'
+            raise ValueError(f"out must be a contiguous tensor on {q.device}, got {got} on {out.device}")
 
 
 def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -123,7 +135,9 @@ def fused_recurrent_kda(
         initial_state: float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); with
             ``ssm_state_indices`` a pool ``[P, HV, K, V]`` of which sequence n uses slot
             ``ssm_state_indices[n]`` (a slot outside the pool gives NaN outputs and no write).
-        inplace_final_state: write the final state into ``initial_state`` instead of a new tensor.
+        inplace_final_state: write the final state into ``initial_state`` instead of a new tensor
+            (which must then not require grad while grad mode is on). Its version counter, and
+            ``out``'s, move as a PyTorch in-place op's would.
         out: preallocated ``[B, T, HV, V]`` output. With these, a decode step allocates nothing
             and can be captured in a CUDA graph.
 
@@ -146,6 +160,8 @@ def fused_recurrent_kda(
                            cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, inplace_final_state,
                            ssm_state_indices, out)
 
+    # Tensors of the caller's that the kernel writes, unseen by autograd (see below).
+    written = [t for t in (out, initial_state if inplace_final_state else None) if t is not None]
     q, k, v, g, beta = contiguous(q, k, v, g, beta)
     # The kernel reads cu_seqlens[n] and ssm_state_indices[n] at offset n: a strided view (e.g.
     # idx[::2]) must be made dense first (a no-op, so CUDA-graph safe, for dense tensors).
@@ -189,8 +205,17 @@ def fused_recurrent_kda(
 
     inputs = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state) if x is not None]
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-        return ForwardOnly.apply(launch, *inputs)
-    return launch()
+        result = ForwardOnly.apply(launch, *inputs)
+    else:
+        result = launch()
+    # The kernel wrote out and the state pool in place, as PyTorch's in-place ops do, but behind
+    # autograd's back: bump their version counters as those ops would, so that a backward which
+    # saved one of them (e.g. chunk_kda's, for its initial state) raises "modified by an inplace
+    # operation" instead of silently using the new values (a host-side counter: no GPU work, and
+    # nothing a CUDA graph records).
+    for t in written:
+        increment_version(t)
+    return result
 
 
 class ForwardOnly(torch.autograd.Function):

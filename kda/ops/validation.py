@@ -58,7 +58,10 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
                         cu_seqlens_cpu=None) -> tuple[int, list[int] | None]:
     """Checks ``cu_seqlens`` and returns (number of sequences, host copy of the offsets or None).
 
-    The host copy is taken from ``cu_seqlens_cpu`` when given, else by one device sync.
+    The host copy is taken from ``cu_seqlens_cpu`` when given, else by one device sync. Where
+    ``cu_seqlens`` itself is on the CPU (reading it costs no sync) the two must agree; a device
+    ``cu_seqlens`` is trusted to hold ``cu_seqlens_cpu``'s values (API.md), as checking it would
+    cost the sync that ``cu_seqlens_cpu`` exists to avoid.
     """
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
@@ -81,7 +84,13 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
         if cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu must have the shape of cu_seqlens {list(cu_seqlens.shape)}, "
                              f"got {list(cu_seqlens_cpu.shape)}")
+        if cu_seqlens_cpu.device.type != 'cpu':
+            raise ValueError(f"cu_seqlens_cpu must be on the CPU (the host copy of cu_seqlens), "
+                             f"got {cu_seqlens_cpu.device}")
         offsets = cu_seqlens_cpu.tolist()
+        if cu_seqlens.device.type == 'cpu' and cu_seqlens.tolist() != offsets:
+            raise ValueError(f"cu_seqlens_cpu must hold cu_seqlens' values {cu_seqlens.tolist()}, "
+                             f"got {offsets}")
     else:
         offsets = cu_seqlens.tolist()
     if offsets[0] != 0:
@@ -149,6 +158,11 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
         scale = K ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    else:
+        try:
+            scale = float(scale)
+        except OverflowError:
+            raise ValueError(f"scale must fit a float, got an int of {scale.bit_length()} bits") from None
     N, offsets = validate_cu_seqlens(cu_seqlens, B, T, device, cu_seqlens_cpu)
     if check_state:
         validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, device)
