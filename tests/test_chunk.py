@@ -487,6 +487,26 @@ def test_strong_decay(chunk_size, pattern, lengths):
     floor = errors(fo, fht, fgd, ro, rht, rgd)
     print("\nfloat32-cumsum floor: " + ' '.join(f"{n}={e:.1e}" for n, e in floor.items()))
     assert_errs(errs, {n: TOL + 2 * f for n, f in floor.items()}, f"strong decay {pattern} BT={chunk_size}")
+    # Below the clamp (LOG_DECAY_FLOOR, -104) the gradient is exactly 0, as exp(g) (...) is in
+    # float32; the kernel's rounding residue there (~1e-7, far inside the bound above) would pass.
+    clamped = x['g'] < -104
+    assert clamped.any() and (gd['g'][clamped] == 0).all(), \
+        f"dg below the clamp: {gd['g'][clamped].abs().max():.1e}"
+
+
+@requires_kernels
+@pytest.mark.parametrize('lengths', [None, [70, 58]], ids=['T128', 'varlen-partial'])
+def test_mild_decay_gradients(lengths):
+    """Gradients under mild decay (g in (-0.05, 0], about exp(-1.6) across a 64-row chunk), where
+    pairs 33-63 rows apart still weigh: conftest's gates (-0.5 a step on average) damp them by
+    ~e^-16, below any tolerance, so a pair-gradient loop that skipped the farthest 16-row
+    blocks passed the matrix (a helper's mutations of ``pair_row_grads`` and ``pair_col_grads``:
+    dq 0.15 and dk 0.13 off here, caught elsewhere only by one diagonal-block case)."""
+    H, HV, K, V = 1, 2, 32, 32
+    T = 128 if lengths is None else sum(lengths)
+    x = make_inputs(1, T, H, HV, K, V)
+    x['g'] = -0.05 * torch.rand_like(x['g'])
+    check_case(1, T, H, HV, K, V, chunk_size=64, lengths=lengths, inputs=x)
 
 
 @requires_kernels
@@ -1064,7 +1084,13 @@ def compile_shared(stage, dtype, K, few, transposed):
     if varlen:
         signature['absent'] = OPTIONAL - {'chunk_rows'}
     kernel = compile_sm90(fn, values, dtype, options, specialize=True, **signature)
-    return str(cfg), kernel.metadata.shared, dependent_launch_order(kernel.asm['ptx'])
+    ptx = kernel.asm['ptx']
+    return str(cfg), kernel.metadata.shared, tf32_products(ptx), dependent_launch_order(ptx)
+
+
+# Tensor-core instructions (mma.sync, wgmma.mma_async) with tf32 operands.
+def tf32_products(ptx):
+    return sum('mma' in x and '.tf32' in x for x in ptx.splitlines())
 
 
 # Where the PDL instructions sit in the PTX. Every access to global memory counts (ld/st in any
@@ -1160,7 +1186,7 @@ with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.
 def sm90_builds():
     """Every chunk kernel compiled for sm_90 at its launch configuration, without a GPU, once for
     the tests that read the builds: SHARED_MEMORY_SCRIPT's rows (stage, dtype, K, few,
-    transposed, configuration, shared memory, ``dependent_launch_order``)."""
+    transposed, configuration, shared memory, tf32 products, ``dependent_launch_order``)."""
     import json
     import os
     import subprocess
@@ -1182,8 +1208,21 @@ def test_launch_shared_memory():
     compiling for sm_90 without a GPU (no interpreter can see this: f056478 gave the gradient
     sweep 3 stages with few programs, and float32 inputs then asked 256 KiB on the GPU, where 5
     tests failed). A launch-table change that a bf16 sweep picked is checked in float32 here."""
-    too_big = [r[:-1] for r in sm90_builds() if r[-2] > H200_SHARED_MEMORY]
+    too_big = [r[:7] for r in sm90_builds() if r[6] > H200_SHARED_MEMORY]
     assert not too_big, f"over {H200_SHARED_MEMORY} B of shared memory: {too_big}"
+
+
+def test_float32_products_are_exact():
+    """With float32 inputs every chunk kernel's matrix products are exact float32 (``mm``,
+    ``mm_fine``: ``input_precision="ieee"``): as compiled for sm_90, no tensor-core instruction
+    takes tf32 operands. No CPU numerical test can see this: the interpreter's dot is numpy's
+    matmul whatever precision it is asked for, and a product quietly rounded to tf32 (~1e-3
+    relative error) passed every interpreter test (a helper's mutation of ``mm``). The 16-bit
+    builds' tf32x3 products (``mm_fine``) show that the count sees tf32 at all."""
+    counts = {tuple(r[:5]): r[7] for r in sm90_builds()}
+    exact = {key: n for key, n in counts.items() if key[1] == 'torch.float32'}
+    assert exact and not any(exact.values()), {key: n for key, n in exact.items() if n}
+    assert any(n for key, n in counts.items() if key[1] == 'torch.bfloat16'), counts
 
 
 def test_dependent_launch_order():
@@ -1198,7 +1237,7 @@ def test_dependent_launch_order():
     interpreter run can see it. Read from the Triton that runs the test (the GPU host's 3.6
     there, CI's newer one here)."""
     stages = ('cumsum', 'cumsum_raw', 'pair_fwd_norms', 'solve', 'pair_fwd_norms_varlen', 'solve_varlen')
-    order = {(r[0], r[1]): r[-1] for r in sm90_builds() if r[0] in stages}
+    order = {(r[0], r[1]): r[8] for r in sm90_builds() if r[0] in stages}
     assert len(order) == 13, sorted(order)   # pair_fwd_norms in float16 too
     for (stage, dtype), o in order.items():
         if stage.startswith('cumsum'):
