@@ -77,11 +77,14 @@ def _run(sequence_fn, q, k, v, g, beta, scale, initial_state, output_final_state
                            b_[b, bos:eos], S0[n])
         pieces[b].append(o)
         states.append(S)
-    o = torch.stack([torch.cat(p, 0) for p in pieces], 0)
+    if pieces:
+        o = torch.stack([torch.cat(p, 0) for p in pieces], 0)
+    else:                                                   # B = 0
+        o = v_.new_zeros(0, *v_.shape[1:])
     o = o.to(torch.float64 if q.dtype == torch.float64 else q.dtype)
     if not output_final_state:
         return o, None
-    S = torch.stack(states, 0)
+    S = torch.stack(states, 0) if states else S0
     if state_v_first:
         S = S.transpose(-1, -2)
     return o, S.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
@@ -111,8 +114,9 @@ def naive_recurrent_kda(
                 use_qk_l2norm_in_kernel, cu_seqlens, state_v_first)
 
 
-def _chunk_sequence(q, k, v, g, beta, S, chunk_size):
-    """The WY/UT chunk algebra for one sequence, all value heads at once.
+def _chunk_sequence(q, k, v, g, beta, S, chunk_size, entering=None):
+    """The WY/UT chunk algebra for one sequence, all value heads at once (the state entering each
+    chunk appended to ``entering`` when given).
 
     q, k, g: ``[T, HV, K]``, v: ``[T, HV, V]``, beta: ``[T, HV]``, S: ``[HV, K, V]``. For a chunk with
     in-chunk cumulative log-decay ``c_i = g_1 + ... + g_i`` and incoming state ``S``:
@@ -131,6 +135,8 @@ def _chunk_sequence(q, k, v, g, beta, S, chunk_size):
     outs = []
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
+        if entering is not None:
+            entering.append(S)
         qc, kc, vc, bc = q[s:e], k[s:e], v[s:e], beta[s:e]
         c = g[s:e].cumsum(0)                                       # [C, HV, K]
         C = e - s
@@ -169,8 +175,26 @@ def chunk_kda_reference(
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_intermediate_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The chunkwise WY/UT algorithm (see ``_chunk_sequence``) in PyTorch; same contract as
-    ``naive_recurrent_kda``. It is the specification that the chunk kernels implement."""
-    return _run(lambda *a: _chunk_sequence(*a, chunk_size), q, k, v, g, beta, scale, initial_state,
-                output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first)
+    ``naive_recurrent_kda``. It is the specification that the chunk kernels implement.
+
+    With ``return_intermediate_states`` it returns ``(o, final_state, h)`` as ``chunk_kda`` does:
+    ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]`` (``[1, total chunks, HV, K,
+    V]`` with ``cu_seqlens``, an empty sequence having none; ``[..., V, K]`` with
+    ``state_v_first``), in the final state's dtype."""
+    entering: list[torch.Tensor] = []
+    o, ht = _run(lambda *a: _chunk_sequence(*a, chunk_size, entering), q, k, v, g, beta, scale,
+                 initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first)
+    if not return_intermediate_states:
+        return o, ht
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    # [B, NT] chunks, or all sequences' chunks in one row with cu_seqlens.
+    rows, NT = (1, len(entering)) if cu_seqlens is not None else (B, -(-T // chunk_size))
+    h = torch.stack(entering, 0) if entering else q.new_zeros(0, HV, K, V, dtype=_compute_dtype(q))
+    h = h.reshape(rows, NT, HV, K, V)
+    if state_v_first:
+        h = h.transpose(-1, -2)
+    return o, ht, h.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()

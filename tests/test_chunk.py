@@ -1645,10 +1645,25 @@ def test_gradient_through_final_state_only(lengths):
 # return_intermediate_states, disable_recompute, non-contiguous inputs
 # ----------------------------------------------------------------------------------------------
 
-@requires_kernels
+@pytest.fixture(params=['kernels', 'torch'])
+def states_path(request, monkeypatch):
+    """The device of a return_intermediate_states test: the kernels' (skipped where they cannot
+    run), or the CPU with the kernels disabled (the PyTorch path, chunk_kda_reference)."""
+    if request.param == 'torch':
+        def no_kernel(*a, **kw):
+            raise AssertionError("a kernel path ran although use_kernels() is False")
+        monkeypatch.setattr(chunk_mod, 'use_kernels', lambda x: False)
+        monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
+        return 'cpu'
+    if not (HAS_CUDA or INTERPRET):
+        pytest.skip("the kernels need a GPU or TRITON_INTERPRET=1")
+    return KDEV
+
+
 @pytest.mark.parametrize('state_v_first,with_h0', [(False, True), (True, True), (False, False)])
-def test_intermediate_states(state_v_first, with_h0):
+def test_intermediate_states(states_path, state_v_first, with_h0):
     B, T, H, HV, K, V, BT = 2, 70, 1, 2, 32, 16, 32
+    KDEV = states_path
     x = _dev(make_inputs(B, T, H, HV, K, V), KDEV)
     s0 = make_state(B, HV, K, V, state_v_first=state_v_first).to(KDEV) if with_h0 else None
     opts = dict(initial_state=s0, output_final_state=True, chunk_size=BT, state_v_first=state_v_first)
@@ -1669,9 +1684,24 @@ def test_intermediate_states(state_v_first, with_h0):
         assert e < TOL, f"state entering chunk {c}: rel err {e:.3e}"
 
 
-@requires_kernels
-def test_intermediate_states_varlen():
+@pytest.mark.parametrize('B,T', [(0, 5), (2, 0)])
+def test_intermediate_states_empty(states_path, B, T):
+    """No batch rows, or no tokens: o [B, T, HV, V], the final state the initial one, h [B,
+    cdiv(T, BT), HV, K, V]. B = 0 raised on both paths (the launcher viewed h as [B, -1, ...];
+    the reference stacked no sequences)."""
+    HV, K, V = 2, 16, 8
+    x = _dev(make_inputs(B, T, 1, HV, K, V), states_path)
+    s0 = make_state(B, HV, K, V).to(states_path)
+    with torch.no_grad():
+        o, ht, h = chunk_kda(**x, initial_state=s0, output_final_state=True, chunk_size=32,
+                             return_intermediate_states=True)
+    assert o.shape == (B, T, HV, V) and torch.equal(ht, s0)
+    assert h.shape == (B, -(-T // 32), HV, K, V) and h.dtype == torch.float32
+
+
+def test_intermediate_states_varlen(states_path):
     lengths, BT, HV, K, V = [0, 1, 19, 40], 32, 2, 16, 32
+    KDEV = states_path
     cu = lengths_to_cu(lengths)
     x = make_inputs(1, sum(lengths), 1, HV, K, V)
     s0 = make_state(len(lengths), HV, K, V)
@@ -1804,9 +1834,6 @@ def test_torch_path(monkeypatch):
         o, ht, gd, do, dht = run_chunk(x, s0, cu_seqlens=cu, chunk_size=bt, state_v_first=True, device='cpu')
         ro, rht, rgd = run_ref(x, s0, do, dht, cu_seqlens=cu, state_v_first=True)
         assert_errs(errors(o, ht, gd, ro, rht, rgd), TOL, f"torch path BT={bt}")
-    with pytest.raises(ValueError, match='return_intermediate_states'):
-        with torch.no_grad():
-            chunk_kda(**x, cu_seqlens=cu, return_intermediate_states=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -231,6 +231,16 @@ def test_inplace_final_state(path, vfirst, output_final_state):
     check(o, state, ref_o, ref_ht, 'inplace')
 
 
+@pytest.mark.parametrize('B,T', [(0, 3), (2, 0)])
+def test_empty_batch_or_sequence(path, B, T):
+    """No batch rows, or no tokens: an empty output and the initial state back (B = 0 raised on
+    the PyTorch path: the reference stacked no sequences)."""
+    HV, K, V = 2, 16, 8
+    h0 = make_state(B, HV, K, V)
+    o, ht = fused_recurrent_kda(**make_inputs(B, T, 1, HV, K, V), initial_state=h0, output_final_state=True)
+    assert o.shape == (B, T, HV, V) and torch.equal(ht, h0)
+
+
 @pytest.mark.parametrize('pool', [False, True])
 def test_inplace_writes_are_seen_by_autograd(path, pool):
     """The kernel writes ``out`` and the state (or the pool) in place behind autograd's back: their

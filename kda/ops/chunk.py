@@ -933,11 +933,9 @@ def chunk_kda(
             beta = activate_beta(beta, allow_neg_eigval)
         if use_gate_in_kernel:
             g = activate_gate(g, A_log, dt_bias, lower_bound)
-        if return_intermediate_states:
-            raise ValueError("return_intermediate_states needs the Triton kernels (a GPU, or "
-                             "TRITON_INTERPRET=1 on the CPU)")
         return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
-                                   use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size)
+                                   use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size,
+                                   return_intermediate_states)
     # The kernels read beta in float32 (a [B, T, HV] copy, which training keeps for the backward:
     # 4 bytes a token-head, 1 / K of q's float32 size; test_saved_for_backward): the state
     # sweeps load it a row at a time in their chunk loop, and Triton (3.6) prefetches a load
@@ -975,7 +973,7 @@ def chunk_kda(
                 kernel_beta, sigmoid=use_beta_sigmoid_in_kernel, neg_eigval=allow_neg_eigval))
         if not return_intermediate_states:
             return o, final_state
-        h = h.view(problem.B, -1, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
+        h = h.view(problem.B, layout.NT, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, problem.scale, initial_state,
                                   output_final_state, state_v_first, cu_seqlens, layout,
