@@ -184,7 +184,7 @@ def chunk_kda_reference(
     ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]`` (``[1, total chunks, HV, K,
     V]`` with ``cu_seqlens``, an empty sequence having none; ``[..., V, K]`` with
     ``state_v_first``), in the final state's dtype."""
-    entering: list[torch.Tensor] = []
+    entering: list[torch.Tensor] | None = [] if return_intermediate_states else None
     o, ht = _run(lambda *a: _chunk_sequence(*a, chunk_size, entering), q, k, v, g, beta, scale,
                  initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first)
     if not return_intermediate_states:

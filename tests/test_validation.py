@@ -124,8 +124,9 @@ CASES = [
     ('cu_seqlens past T, host copy fine', lambda: varlen(cu_seqlens=torch.tensor([0, 2, 2, 600]),
                                                         cu_seqlens_cpu=torch.tensor([0, 2, 2, 3])),
      ValueError, r"cu_seqlens_cpu must hold cu_seqlens' values"),
-    ('cu_seqlens_cpu not on the host', lambda: varlen(cu_seqlens_cpu=torch.tensor([0, 2, 2, 3], device='meta')),
-     ValueError, r'cu_seqlens_cpu must be on the CPU.*got meta'),
+    ('cu_seqlens_cpu neither on the host nor on q\'s device',
+     lambda: varlen(cu_seqlens_cpu=torch.tensor([0, 2, 2, 3], device='meta')),
+     ValueError, r'cu_seqlens_cpu must be on the CPU.*or on cpu like q, got meta'),
     # ----- initial_state
     ('state wrong N', lambda: base(initial_state=make_state(B + 1, HV, K, V)), ValueError,
      r'initial_state must have shape \[2, 4, 8, 6\]'),
@@ -198,11 +199,17 @@ CASES = [
                                                   inplace_final_state=True), ValueError,
      r'inplace_final_state=True requires a contiguous initial_state'),
     ('inplace int', lambda: base(inplace_final_state=1), TypeError, r'inplace_final_state'),
-    # The kernel writes the state behind autograd's back, so a leaf that requires grad is refused
-    # (as PyTorch refuses an in-place op on one) rather than silently overwritten.
+    # The kernel writes the state and out behind autograd's back, so a tensor that requires grad
+    # (a leaf, or not: the write could not be recorded either way) is refused rather than
+    # silently overwritten.
     ('inplace state requiring grad', lambda: base(initial_state=make_state(B, HV, K, V).requires_grad_(),
                                                   inplace_final_state=True), ValueError,
      r'inplace_final_state=True would overwrite initial_state, which requires grad'),
+    ('inplace non-leaf state requiring grad',
+     lambda: base(initial_state=make_state(B, HV, K, V).requires_grad_() * 1, inplace_final_state=True),
+     ValueError, r'inplace_final_state=True would overwrite initial_state, which requires grad'),
+    ('out requiring grad', lambda: base(out=torch.empty(B, T, HV, V, requires_grad=True)), ValueError,
+     r'out requires grad'),
     ('out wrong shape', lambda: base(out=torch.empty(B, T, H, V)), ValueError, r'out must have shape \[2, 3, 4, 6\]'),
     ('out wrong T', lambda: base(out=torch.empty(B, T + 1, HV, V)), ValueError, r'out must have shape'),
     ('out wrong dtype', lambda: base(out=torch.empty(B, T, HV, V, dtype=torch.bfloat16)), TypeError,

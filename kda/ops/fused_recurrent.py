@@ -45,9 +45,9 @@ def _validate_serving(problem, q, initial_state, output_final_state, state_v_fir
         if not initial_state.is_contiguous():
             raise ValueError("inplace_final_state=True requires a contiguous initial_state")
         if initial_state.requires_grad and torch.is_grad_enabled():
-            raise ValueError("inplace_final_state=True would overwrite initial_state, which requires grad "
-                             "(as an in-place PyTorch op on it would); pass initial_state.detach() or call "
-                             "under torch.no_grad()")
+            raise ValueError("inplace_final_state=True would overwrite initial_state, which requires grad, "
+                             "in a write autograd cannot record; pass initial_state.detach() or call under "
+                             "torch.no_grad()")
     if out is not None:
         _expect_tensor('out', out)
         _expect_shape('out', out, (problem.B, problem.T, HV, V), '[B, T, HV, V]')
@@ -56,6 +56,9 @@ def _validate_serving(problem, q, initial_state, output_final_state, state_v_fir
         if out.device != q.device or not out.is_contiguous():
             got = 'a non-contiguous tensor' if not out.is_contiguous() else 'a tensor'
             raise ValueError(f"out must be a contiguous tensor on {q.device}, got {got} on {out.device}")
+        if out.requires_grad and torch.is_grad_enabled():
+            raise ValueError("out requires grad: the kernel's write into it cannot be recorded by autograd; "
+                             "pass a tensor that does not require grad or call under torch.no_grad()")
 
 
 def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,

@@ -84,9 +84,11 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
         if cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu must have the shape of cu_seqlens {list(cu_seqlens.shape)}, "
                              f"got {list(cu_seqlens_cpu.shape)}")
-        if cu_seqlens_cpu.device.type != 'cpu':
-            raise ValueError(f"cu_seqlens_cpu must be on the CPU (the host copy of cu_seqlens), "
-                             f"got {cu_seqlens_cpu.device}")
+        # The host, as API.md has it; q's device is accepted too (FLA reads either), at the cost of
+        # the sync that the host copy exists to avoid.
+        if cu_seqlens_cpu.device.type != 'cpu' and cu_seqlens_cpu.device != device:
+            raise ValueError(f"cu_seqlens_cpu must be on the CPU (the host copy of cu_seqlens) or on {device} "
+                             f"like q, got {cu_seqlens_cpu.device}")
         offsets = cu_seqlens_cpu.tolist()
         if cu_seqlens.device.type == 'cpu' and cu_seqlens.tolist() != offsets:
             raise ValueError(f"cu_seqlens_cpu must hold cu_seqlens' values {cu_seqlens.tolist()}, "
