@@ -146,7 +146,6 @@ CASES = [
     # ----- gate / beta activation options
     ('allow_neg_eigval without beta sigmoid', lambda: base(allow_neg_eigval=True), ValueError, r'allow_neg_eigval'),
     ('safe_gate without lower_bound', lambda: gate(safe_gate=True), ValueError, r'safe_gate.*lower_bound'),
-    ('safe_gate without the gate', lambda: base(safe_gate=True), ValueError, r'safe_gate'),
     ('lower_bound -6', lambda: gate(lower_bound=-6.0), ValueError, r'lower_bound must lie in \[-5, 0\), got -6'),
     ('lower_bound 0', lambda: gate(lower_bound=0.0), ValueError, r'lower_bound must lie in'),
     ('lower_bound positive', lambda: gate(lower_bound=0.5), ValueError, r'lower_bound must lie in'),
@@ -233,8 +232,10 @@ def test_malformed_call_raises(no_compute, make, exc, match):
         assert torch.equal(state, before), "a rejected call modified initial_state"
 
 
-@pytest.mark.parametrize('make', [base, varlen, gate, lambda: base(out=torch.empty(B, T, HV, V))],
-                         ids=['base', 'varlen', 'gate', 'out'])
+# safe_gate with g given: a promise FLA accepts (its docstring: the caller provides bounded gates).
+@pytest.mark.parametrize('make', [base, varlen, gate, lambda: base(out=torch.empty(B, T, HV, V)),
+                                  lambda: base(safe_gate=True)],
+                         ids=['base', 'varlen', 'gate', 'out', 'safe_gate-given-g'])
 def test_valid_calls_are_accepted(make):
     """The positive control for the table above: the unmodified calls run (and give finite values)."""
     o, _ = fused_recurrent_kda(**make())

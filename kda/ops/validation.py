@@ -191,8 +191,9 @@ def validate_activations(HV: int, K: int, device: torch.device, use_gate_in_kern
         for name, x in (('A_log', A_log), ('dt_bias', dt_bias), ('lower_bound', lower_bound)):
             if x is not None:
                 raise ValueError(f"{name} was given but use_gate_in_kernel=False; it would be ignored")
-        if safe_gate:
-            raise ValueError("safe_gate=True requires use_gate_in_kernel=True and lower_bound")
+        # safe_gate=True with g given: the caller's promise that g is bounded, which FLA accepts
+        # (it picks a faster path on it). The kernels here are exact for any g <= 0, so it
+        # changes nothing; refusing it would break model code that passes it.
         return
     if lower_bound is not None:
         if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
