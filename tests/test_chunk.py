@@ -1842,6 +1842,28 @@ def test_torch_path(monkeypatch):
         assert_errs(errors(o, ht, gd, ro, rht, rgd), TOL, f"torch path BT={bt}")
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's bf16 route")
+def test_bf16_in_the_interpreter_takes_the_pytorch_path(monkeypatch):
+    """bf16 under TRITON_INTERPRET=1: the interpreter's bf16 dot is wrong (triton#11584), so the
+    PyTorch path must serve the call, forward and backward, within the error that the reference
+    itself has in bf16 (the kernels returned finite garbage there, relative error ~3e11)."""
+    def no_kernel(*a, **kw):
+        raise AssertionError("a kernel ran on bf16 inputs in the interpreter")
+
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_bwd', no_kernel)
+    x = make_inputs(1, 40, 1, 2, 16, 16, dtype=torch.bfloat16)
+    s0 = make_state(1, 2, 16, 16)
+    o, ht = chunk_kda(**x, initial_state=s0, output_final_state=True, chunk_size=32)
+    ro, rht = reference64(**x, initial_state=s0)
+    bo, bht = naive_recurrent_kda(**x, initial_state=s0, output_final_state=True)
+    assert rel_err(o, ro) <= 2 * rel_err(bo, ro) and rel_err(ht, rht) <= 2 * rel_err(bht, rht) + 1e-6
+    q = x['q'].clone().requires_grad_()
+    o, _ = chunk_kda(**dict(x, q=q), initial_state=s0, chunk_size=32)
+    o.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # validation of chunk_kda's arguments (no kernel may run on bad input)
 # ----------------------------------------------------------------------------------------------

@@ -928,7 +928,10 @@ def chunk_kda(
         raise ValueError("return_intermediate_states=True is for inference only; call it under "
                          "torch.no_grad() or with inputs that do not require grad")
 
-    if not use_kernels(q):
+    # Not bf16 in Triton's interpreter: its tl.dot multiplies bf16 operands' raw bit patterns
+    # (triton-lang/triton#11584), and the kernels' answer is finite garbage there (relative error
+    # ~3e11 against the reference at (1, 64, 1, 1, 16, 16)); the PyTorch path serves those calls.
+    if not use_kernels(q) or (INTERPRET and q.dtype == torch.bfloat16):
         if use_beta_sigmoid_in_kernel:
             beta = activate_beta(beta, allow_neg_eigval)
         if use_gate_in_kernel:
