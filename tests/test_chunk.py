@@ -266,13 +266,17 @@ def test_forward_K32_V100():
 
 
 @requires_kernels
-@pytest.mark.parametrize('gate', ['A_log+dt_bias', 'A_log_wide', 'lower_bound', 'lower_bound_saturated',
-                                  'lower_bound_saturated+l2norm', 'lower_bound+A_log_varlen_K60'])
+@pytest.mark.parametrize('gate', ['A_log+dt_bias', 'A_log_wide', 'A_log_tail', 'lower_bound',
+                                  'lower_bound_saturated', 'lower_bound_saturated+l2norm',
+                                  'lower_bound+A_log_varlen_K60'])
 def test_gate_and_beta_in_kernel(gate):
     """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of API.md written out here
     in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias.
     'A_log_wide': the softplus gate without dt_bias on raw gates within +-40: steps from about
     -1e-17 to below the -104 clamp (a = exp(1.5): down to -179), where the gradient is 0.
+    'A_log_tail': the softplus gate on raw gates in [-30, -18], where softplus(x) ~ e^x and
+    1 + e^x rounds to 1: dA_log (sum dg * step) is all tail (a plain log(1 + e^x) made it 0;
+    a helper's mutation, which every other gate case passed).
     'lower_bound_saturated': lower_bound = -5 with raw gates driving whole 16-row blocks to -5 per
     step, the widest decay span (75) the factored diagonal blocks of the bounded gate take;
     '+l2norm' the same with q and k normalized in the kernel (the Kimi layer's configuration).
@@ -298,6 +302,10 @@ def test_gate_and_beta_in_kernel(gate):
     if gate == 'A_log_wide':
         x['g'] = 40 * (2 * torch.rand(B, T, HV, K) - 1)
         extra = dict(A_log=torch.tensor([0.5, 1.5]))
+        opts = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    elif gate == 'A_log_tail':
+        x['g'] = -18 - 12 * torch.rand(B, T, HV, K)
+        extra = dict(A_log=torch.tensor([0.3, -0.4]))
         opts = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     elif gate == 'A_log+dt_bias':
         extra['A_log'] = torch.randn(HV)

@@ -231,6 +231,22 @@ def test_inplace_final_state(path, vfirst, output_final_state):
     check(o, state, ref_o, ref_ht, 'inplace')
 
 
+def test_l2norm_zero_and_tiny_rows(path):
+    """use_qk_l2norm_in_kernel on zero rows of q and k (and k rows with a sum of squares near the
+    1e-6 epsilon): finite, and as the reference's x / sqrt(sum x^2 + 1e-6). Random rows (sums
+    ~1e2) cannot tell the epsilon from none (a helper's mutation dropping it in this kernel:
+    NaN here, every other test passed)."""
+    B, T, H, HV, K, V = 2, 6, 1, 2, 60, 48
+    x = make_inputs(B, T, H, HV, K, V, normalize_k=False)
+    x['q'][:, 1] = 0.
+    x['k'][:, 3] = 0.
+    x['q'][:, 4] = x['k'][:, 4] = 0.
+    x['k'][:, 5] *= 1e-4
+    kw = dict(initial_state=make_state(B, HV, K, V), use_qk_l2norm_in_kernel=True, scale=0.5)
+    o, ht = fused_recurrent_kda(**x, **kw, output_final_state=True)
+    check(o, ht, *reference64(**x, **kw), 'l2norm zero rows')
+
+
 @pytest.mark.parametrize('B,T', [(0, 3), (2, 0)])
 def test_empty_batch_or_sequence(path, B, T):
     """No batch rows, or no tokens: an empty output and the initial state back (B = 0 raised on
