@@ -87,7 +87,7 @@ def _run(sequence_fn, q, k, v, g, beta, scale, initial_state, output_final_state
     S = torch.stack(states, 0) if states else S0
     if state_v_first:
         S = S.transpose(-1, -2)
-    return o, S.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
+    return o, S.to(_compute_dtype(q)).contiguous()
 
 
 def naive_recurrent_kda(
@@ -197,4 +197,4 @@ def chunk_kda_reference(
     h = h.reshape(rows, NT, HV, K, V)
     if state_v_first:
         h = h.transpose(-1, -2)
-    return o, ht, h.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
+    return o, ht, h.to(_compute_dtype(q)).contiguous()

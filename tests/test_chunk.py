@@ -60,6 +60,19 @@ def _dev(d: dict, device) -> dict:
     return {n: (None if x is None else x.to(device)) for n, x in d.items()}
 
 
+def forbid_chunk_kernels(monkeypatch, disable=True):
+    """Makes chunk_kda's kernel launchers raise, so that only the PyTorch path can serve a call;
+    with ``disable`` also turns the kernels off (``use_kernels`` False: CPU without the
+    interpreter)."""
+    def no_kernel(*a, **kw):
+        raise AssertionError("a kernel path ran where the PyTorch path must serve the call")
+
+    if disable:
+        monkeypatch.setattr(chunk_mod, 'use_kernels', lambda x: False)
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
+    monkeypatch.setattr(chunk_mod, 'chunk_kda_bwd', no_kernel)
+
+
 def run_chunk(inputs: dict, h0, *, output_final_state=True, cu_seqlens=None, grads=True,
               do=None, dht=None, use_o=True, device=KDEV, **opts):
     """chunk_kda on ``device`` (fresh leaves), then autograd with upstream gradients ``do`` for o
@@ -1664,10 +1677,7 @@ def states_path(request, monkeypatch):
     """The device of a return_intermediate_states test: the kernels' (skipped where they cannot
     run), or the CPU with the kernels disabled (the PyTorch path, chunk_kda_reference)."""
     if request.param == 'torch':
-        def no_kernel(*a, **kw):
-            raise AssertionError("a kernel path ran although use_kernels() is False")
-        monkeypatch.setattr(chunk_mod, 'use_kernels', lambda x: False)
-        monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
+        forbid_chunk_kernels(monkeypatch)
         return 'cpu'
     if not (HAS_CUDA or INTERPRET):
         pytest.skip("the kernels need a GPU or TRITON_INTERPRET=1")
@@ -1834,12 +1844,7 @@ def test_non_contiguous_cu_seqlens():
 
 def test_torch_path(monkeypatch):
     """With the kernels disabled the chunked reference algorithm serves the call (any mode)."""
-    def no_kernel(*a, **kw):
-        raise AssertionError("a kernel path ran although use_kernels() is False")
-
-    monkeypatch.setattr(chunk_mod, 'use_kernels', lambda x: False)
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_bwd', no_kernel)
+    forbid_chunk_kernels(monkeypatch)
     lengths = [0, 1, 19, 25]
     cu = lengths_to_cu(lengths)
     x = make_inputs(1, sum(lengths), 1, 2, 32, 24)
@@ -1855,11 +1860,7 @@ def test_bf16_in_the_interpreter_takes_the_pytorch_path(monkeypatch):
     """bf16 under TRITON_INTERPRET=1: the interpreter's bf16 dot is wrong (triton#11584), so the
     PyTorch path must serve the call, forward and backward, within the error that the reference
     itself has in bf16 (the kernels returned finite garbage there, relative error ~3e11)."""
-    def no_kernel(*a, **kw):
-        raise AssertionError("a kernel ran on bf16 inputs in the interpreter")
-
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_bwd', no_kernel)
+    forbid_chunk_kernels(monkeypatch, disable=False)
     x = make_inputs(1, 40, 1, 2, 16, 16, dtype=torch.bfloat16)
     s0 = make_state(1, 2, 16, 16)
     o, ht = chunk_kda(**x, initial_state=s0, output_final_state=True, chunk_size=32)
