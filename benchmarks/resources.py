@@ -61,11 +61,15 @@ KERNELS = {
     'cumsum_gate_no_A_log': (chunk_cumsum_kernel, dict(BK=64, GATE='softplus', DECAYED=True),
                              dict(absent=OPTIONAL - {'dt_bias'}, pointers=dict(g=bf)), [(4, 2, None)]),
     # Training's builds, launched plainly (PDL only with L2NORM, kda/ops/chunk.py).
-    'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, L2NORM=False, PDL=False), {},
+    'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, ALL_NEAR=False, L2NORM=False, PDL=False), {},
                  [(1, 3, None), (2, 3, 128)]),
     # Inference with use_qk_l2norm_in_kernel: raw q, k rows, normalized in the kernel.
-    'pair_fwd_norms': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, L2NORM=True), {}, [(1, 2, None)]),
-    'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=False, L2NORM=False, PDL=False,
+    'pair_fwd_norms': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, ALL_NEAR=False, L2NORM=True), {},
+                       [(1, 2, None)]),
+    # The same with the lower-bound gate: no far key entries, no fallback compiled.
+    'pair_fwd_norms_near': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, ALL_NEAR=True, L2NORM=True), {},
+                            [(1, 2, None)]),
+    'pair_fwd_fp16': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=False, ALL_NEAR=False, L2NORM=False, PDL=False,
                                                   DOT_DTYPE=tl.float16),
                       dict(dtype=torch.float16), [(1, 3, None)]),
     'solve': (chunk_solve_kernel, {}, {}, [(2, 2, None), (1, 2, None), (4, 2, None)]),

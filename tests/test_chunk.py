@@ -1060,6 +1060,9 @@ KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'cumsum_raw': chunk_intra.
            'pair_fwd': chunk_intra.chunk_pair_fwd_kernel,
            # Inference with use_qk_l2norm_in_kernel: raw q and k, normalized in the kernel.
            'pair_fwd_norms': chunk_intra.chunk_pair_fwd_kernel,
+           # The lower-bound gate with keys of norm 1 (ALL_NEAR): training's and inference's.
+           'pair_fwd_near': chunk_intra.chunk_pair_fwd_kernel,
+           'pair_fwd_norms_near': chunk_intra.chunk_pair_fwd_kernel,
            'solve': chunk_intra.chunk_solve_kernel,
            # Varlen builds: the chunk map (chunk_rows) is read before griddepcontrol.wait.
            'pair_fwd_norms_varlen': chunk_intra.chunk_pair_fwd_kernel,
@@ -1082,13 +1085,13 @@ def compile_shared(stage, dtype, K, few, transposed):
     if stage.startswith('state_'):
         cfg = chunk_mod.state_launch_config(stage, K, K, 4, torch.device('cpu'), dtype)
     else:
-        cfg = chunk_mod.launch_config(stage, K, K)
+        cfg = chunk_mod.launch_config(stage.removesuffix('_near'), K, K)
     values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=varlen,
                   SLICES_INNERMOST=cfg.get('SLICES_INNERMOST', False),
                   GATE='sigmoid' if stage in RAW_GATE else 'none',
                   DECAYED=stage not in ('cumsum', 'cumsum_raw'),
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
-                  L2NORM=stage == 'pair_fwd_norms',
+                  ALL_NEAR=stage.endswith('_near'), L2NORM=stage.startswith('pair_fwd_norms'),
                   # As launched: early (the waits) only the l2norm inference's pair products and
                   # solve; the cumsum releases its dependents always (kda/ops/chunk.py).
                   PDL=stage.startswith(('cumsum', 'pair_fwd_norms', 'solve')),
@@ -1223,7 +1226,7 @@ def sm90_builds():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 62
+    assert len(rows) == 66
     return rows
 
 
@@ -1263,9 +1266,10 @@ def test_dependent_launch_order():
     wait moved below a load or a store, into the key loop, or dropped, fails here; no
     interpreter run can see it. Read from the Triton that runs the test (the GPU host's 3.6
     there, CI's newer one here)."""
-    stages = ('cumsum', 'cumsum_raw', 'pair_fwd_norms', 'solve', 'pair_fwd_norms_varlen', 'solve_varlen')
+    stages = ('cumsum', 'cumsum_raw', 'pair_fwd_norms', 'pair_fwd_norms_near', 'solve',
+              'pair_fwd_norms_varlen', 'solve_varlen')
     order = {(r[0], r[1]): r[8] for r in sm90_builds() if r[0] in stages}
-    assert len(order) == 13, sorted(order)   # pair_fwd_norms in float16 too
+    assert len(order) == 15, sorted(order)   # pair_fwd_norms in float16 too
     for (stage, dtype), o in order.items():
         if stage.startswith('cumsum'):
             assert o['release'] and not o['wait'], (stage, dtype, o)
@@ -1412,6 +1416,70 @@ def test_bounded_gate_float16():
     u = rel_err(ro.to(torch.float16), ro)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel_err(o.cpu(), ro) < 4 * u and rel_err(ht.cpu(), rht) < 4 * u
+
+
+@requires_kernels
+@pytest.mark.parametrize('inference', [True, False])
+def test_all_near_pair_products(monkeypatch, inference):
+    """The pair products' build without the far-entry fallback (``ALL_NEAR``) runs exactly where
+    no entry can be far, the lower-bound gate with l2norm (in the kernel or by the pass), never
+    in float16, never for the softplus gate, a given g or raw keys; and gives the same bits as
+    the general build where both may run: the gate saturated at -5 a step over whole chunks
+    (span 75 in a 16-row block, FAR_SPAN 76), fresh raw gates elsewhere. Outputs, the final state
+    and (training) every gradient compared with the fallback forced back in."""
+    real = chunk_mod.chunk_pair_fwd_kernel
+    seen, force = [], {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw['ALL_NEAR'])
+                return real[grid](*args, **{**kw, **force})
+            return launch
+
+    monkeypatch.setattr(chunk_mod, 'chunk_pair_fwd_kernel', Spy())
+    B, T, H, HV, K, V = 1, 80, 1, 2, 32, 48
+    x = make_inputs(B, T, H, HV, K, V, normalize_k=False)
+    x['g'] = torch.randn(B, T, HV, K)
+    x['g'][:, 16:64] = 40.                                  # sigmoid -> 1: steps of -5
+    s0 = make_state(B, HV, K, V)
+    gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(HV), lower_bound=-5.0, safe_gate=True)
+
+    def run(dtype=torch.float32, **opts):
+        xs = {n: t.to(dtype).to(KDEV).requires_grad_(not inference) for n, t in x.items()}
+        opts = {**opts, 'initial_state': s0.to(KDEV).requires_grad_(not inference)}
+        opts = {n: t.to(KDEV) if isinstance(t, torch.Tensor) else t for n, t in opts.items()}
+        with torch.set_grad_enabled(not inference):
+            o, ht = chunk_kda(**xs, output_final_state=True, **opts)
+            if inference:
+                return [o, ht]
+            (o.float().pow(2).sum() + ht.pow(2).sum()).backward()
+        return [o, ht] + [t.grad for t in (*xs.values(), opts['initial_state'])]
+
+    expect = {'l2norm': True, 'raw keys': False, 'softplus': False, 'g given': False}
+    cases = {'l2norm': dict(gate, use_qk_l2norm_in_kernel=True),
+             'raw keys': gate,
+             'softplus': dict(gate, lower_bound=None, safe_gate=False, use_qk_l2norm_in_kernel=True),
+             'g given': dict(use_qk_l2norm_in_kernel=True)}
+    for name, opts in cases.items():
+        seen.clear()
+        if name == 'g given':
+            x_g, x['g'] = x['g'], -torch.rand_like(x['g'])
+        run(**opts)
+        if name == 'g given':
+            x['g'] = x_g
+        assert seen == [expect[name]], (name, seen)
+    if not INTERPRET:
+        # (16-bit inputs take the PyTorch path in the interpreter: no kernel runs there.)
+        seen.clear()
+        run(torch.float16, **cases['l2norm'])
+        assert seen == [False], seen
+    near = run(**cases['l2norm'])
+    force['ALL_NEAR'] = False
+    general = run(**cases['l2norm'])
+    assert all(torch.isfinite(t).all() for t in near)
+    assert all(torch.equal(a, b) for a, b in zip(near, general)), \
+        [float((a - b).abs().max()) for a, b in zip(near, general)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, b_rk, gc_base, gc_st
 @triton.jit
 def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk, gc_base, gc_stride, i_i,
                i_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-               FACTORED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+               FACTORED: tl.constexpr, ALL_NEAR: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Adds key slice ``i_k`` of the diagonal block ``I = i_i`` (rows ``b_q``, ``b_k``, ``b_c``,
     first row ``b_r``; entries j > i are garbage) to ``b_qk`` and ``b_kk``; also returns the
     slice's row factors ``q exp(c - r)`` and ``k exp(c - r)`` (<= 1), which the blocks J < I reuse
@@ -134,7 +134,9 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk, gc_base, gc_st
     that lets every step's log-decay be above -5, every key below 2.7e3); only when the slice has
     far entries are those added by ``group_products``. The choice is per key entry and reads its
     own row and r only, so no entry's rounding depends on a later row (bit-exact causality); adding
-    the zeros of near entries changes no bit. Otherwise (float16, whose range ends at 65504):
+    the zeros of near entries changes no bit. ``ALL_NEAR``: no entry can be far (steps >= -5 and
+    keys of norm 1: the lower-bound gate with normalized keys), so neither the test nor
+    ``group_products`` is compiled; the same bits. Otherwise (float16, whose range ends at 65504):
     ``group_products`` for every entry."""
     # The row factor meets key factors up to exp(FAR_SPAN) on the diagonal block. Flushed below
     # 1.2e-38 (exp_ftz), a row whose block decays past 87.3 from r loses terms up to
@@ -144,7 +146,12 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk, gc_base, gc_st
     b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :], DOT_DTYPE == tl.float32), 0.)
     b_qe = b_q * b_up
     b_ke = b_k * b_up
-    if FACTORED:
+    if ALL_NEAR:
+        # r - c_j <= 15 * 5 = 75 < FAR_SPAN and |k| <= 1 < FAR_KEY: far_keys would mark nothing.
+        b_kdt = tl.trans(b_k * exp_ftz(b_r[None, :] - b_c))
+        b_qk += mm(b_qe, b_kdt, DOT_DTYPE)
+        b_kk += mm(b_ke, b_kdt, DOT_DTYPE)
+    elif FACTORED:
         b_far, b_kd = far_keys(b_k, b_c, b_r, m_r, FAR_SPAN)
         b_kdt = tl.trans(tl.where(b_far, 0., b_kd))
         b_qk += mm(b_qe, b_kdt, DOT_DTYPE)
@@ -311,8 +318,8 @@ def chunk_pair_fwd_kernel(
     scale, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    FACTORED_DIAG: tl.constexpr, L2NORM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PDL: tl.constexpr,
+    FACTORED_DIAG: tl.constexpr, ALL_NEAR: tl.constexpr, L2NORM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IS_VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row block I of ``Aqk`` (scale included) and of ``A' = A / beta`` (both kept for the
     backward): the diagonal block and the blocks J < I. One program per (chunk, I): the row
@@ -329,7 +336,8 @@ def chunk_pair_fwd_kernel(
     Blocks J < I: their raw key rows' squares summed in the main loop, which loads them anyway,
     and the products' columns scaled at the end. Not rounded to the input dtype as the training
     forward's normalization pass stores them, and each row's squares summed in another order:
-    outputs differ from its in the last bits (float32 too)."""
+    outputs differ from its in the last bits (float32 too). ``ALL_NEAR``: the lower-bound gate
+    with keys of norm 1, where ``diag_slice`` needs no far-entry fallback."""
     tl.static_assert(BT % BC == 0, "the chunk must be a whole number of sub-blocks")
     NC: tl.constexpr = BT // BC
     i_ci, i_hv = tl.program_id(0), tl.program_id(1)
@@ -377,7 +385,7 @@ def chunk_pair_fwd_kernel(
         store_decayed_queries(qt + hv_offset, b_q, b_c, scale, i_i * BC, L, i_k * BK, HV, K, BC, BK)
         b_qk, b_kk, b_qe, b_ke = diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk,
                                             gc_base, HV * K, i_i, i_k, L, H, K, BC, BK, FACTORED_DIAG,
-                                            DOT_DTYPE)
+                                            ALL_NEAR, DOT_DTYPE)
         if i_i > 0:
             b_qk0, b_kk0, b_s0 = offdiag_slice(b_qk0, b_kk0, b_s0, b_qe, b_ke, b_r, k_base,
                                              gc_base, HV * K, 0, i_k, L, H, K, BC, BK, DOT_DTYPE)

@@ -477,11 +477,17 @@ def stage1_cumsum(q, k, g, scale, layout: ChunkLayout, gate: KernelGate | None, 
 
 
 def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
-                    l2norm: bool = False) -> Stage1:
+                    l2norm: bool = False, all_near: bool = False) -> Stage1:
     """The rest of the forward's stage 1 into ``s1``, on its cumulative decay: the pair products
     (Aqk, A', the decayed keys and queries), then the solve (M) (``chunk_stage1``). ``l2norm``:
     q and k are raw, and the pair products normalize the rows they read (inference with
-    ``use_qk_l2norm_in_kernel``, ``chunk_pair_fwd_kernel``)."""
+    ``use_qk_l2norm_in_kernel``, ``chunk_pair_fwd_kernel``). ``all_near``: no key entry of a
+    diagonal block can leave the factored form's range (steps >= -5, keys of norm 1), so the
+    build without the far-entry test and fallback runs (``ALL_NEAR``; float16 never factors).
+    The same bits; H200, Kimi inference forward with l2norm in the kernel, ms (``ab.py``, 4
+    rounds, thirty-fourth session): (8, 4096, 16) -0.027, (1, 32768, 32) -0.074, (1, 8192, 96)
+    -0.043, (4, 8192, 32) -0.051, varlen batch -0.058 (ptxas, triton 3.6: 255 -> 242 registers,
+    no spills either way)."""
     _, T, H, K = q.shape
     BT = layout.BT
     dt = q.dtype
@@ -494,7 +500,8 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
         q, k, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
         BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
         # float16's range ends at 65504: no factor >= 1 on its operands.
-        FACTORED_DIAG=dt != torch.float16, L2NORM=l2norm, IS_VARLEN=is_varlen, **chunks,
+        FACTORED_DIAG=dt != torch.float16, ALL_NEAR=all_near and dt != torch.float16, L2NORM=l2norm,
+        IS_VARLEN=is_varlen, **chunks,
         **launch_config('pair_fwd_norms' if l2norm else 'pair_fwd', K, K))
     chunk_solve_kernel[(layout.total, HV)](
         beta, s1.Akk, s1.Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen,
@@ -590,16 +597,19 @@ def segment_bounds(T: int, BT: int, segments: int, ratio: float) -> list[tuple[i
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
-                  store_states: bool = False, l2norm: bool = False, prepare_beta=None):
+                  store_states: bool = False, l2norm: bool = False, unit_keys: bool = False,
+                  prepare_beta=None):
     """The forward: stage 1, then the fused state sweep and outputs
     (``kernels/chunk_state_output.py``). Returns ``(o, final_state, stage1, h)``: ``h`` the
     float32 state entering every chunk with ``store_states``, else None. ``l2norm`` (inference
     with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products normalize the rows
-    they read (``chunk_pair_fwd_kernel``). ``prepare_beta`` (inference): ``beta`` is the
-    caller's, and ``prepare_beta(out, beta)`` writes the float32 copy the kernels read
-    (``kernel_beta``); it runs on the side stream beside the first cumsum, which does not read
-    it, and not at the head of the current stream's chain (at SEGMENT_MIN_TOKEN_HEADS and
-    above). H200, Kimi inference forward ms at (8, 4096, 16) / (1, 32768, 32) / (1, 8192, 96)
+    they read (``chunk_pair_fwd_kernel``). ``unit_keys``: k's rows are l2norm's output (training
+    with ``use_qk_l2norm_in_kernel``). Keys of norm 1 (either way) under the lower-bound gate
+    take the pair products' build without the far-entry fallback (``ALL_NEAR``, ``diag_slice``).
+    ``prepare_beta`` (inference): ``beta`` is the caller's, and ``prepare_beta(out, beta)``
+    writes the float32 copy the kernels read (``kernel_beta``); it runs on the side stream
+    beside the first cumsum, which does not read it, and not at the head of the current stream's
+    chain (at SEGMENT_MIN_TOKEN_HEADS and above). H200, Kimi inference forward ms at (8, 4096, 16) / (1, 32768, 32) / (1, 8192, 96)
     (twenty-eighth session, BENCHMARKS.md note 137): -0.003 / -0.004 / -0.001 against beta's two
     PyTorch kernels (float copy, sigmoid) at the chain's head; beta given activated in float32,
     the bound, read -0.008 / -0.007 / -0.010 against that head.
@@ -634,6 +644,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, **blocks,
             **head_dims(q, v, part_layout, cu_seqlens))
 
+    # The lower-bound gate's steps are >= lower_bound >= -5 (validated).
+    all_near = (l2norm or unit_keys) and gate is not None and gate.kind == 'sigmoid'
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
     side = None
@@ -650,7 +662,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         if segments is None:
             stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
             join(side)
-            stage1_matrices(q, k, beta, scale, layout, HV, s1, l2norm)
+            stage1_matrices(q, k, beta, scale, layout, HV, s1, l2norm, all_near)
             sweep(s1, slice(0, T), layout, initial_state, final_state)
             return o, final_state, s1, h
         cumsum_first = busy_sweep(HV, K, V, dev)
@@ -671,7 +683,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             if i == 0:
                 join(side)
             stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, part_layout, HV, s1_part,
-                            l2norm)
+                            l2norm, all_near)
             side = fork(dev)
             with torch.cuda.stream(side):
                 sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
@@ -832,7 +844,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         gate = None if gate_kind is None else KernelGate(gate_kind, A_log, dt_bias, lower_bound)
         o, final_state, s1, _ = chunk_kda_fwd(qn, kn, v, g, beta, scale, initial_state,
                                               output_final_state, state_v_first, cu_seqlens, layout,
-                                              gate)
+                                              gate, unit_keys=qk_l2norm)
         # Kept either way: the in-chunk matrices, [B, T, HV, BT] each (at BT = 64, K = V = 128,
         # bf16 with g in float32: half the bytes of q, k, v and g), which spare the backward's
         # recompute the pair products and the solve (H200, (8, 4096, 16), at 3598f32: 0.60 and
