@@ -1446,8 +1446,10 @@ def test_all_near_pair_products(monkeypatch, inference):
     gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(HV), lower_bound=-5.0, safe_gate=True)
 
     def run(dtype=torch.float32, **opts):
-        xs = {n: t.to(dtype).to(KDEV).requires_grad_(not inference) for n, t in x.items()}
-        opts = {**opts, 'initial_state': s0.to(KDEV).requires_grad_(not inference)}
+        # Fresh leaves a run: float32 CPU tensors would come back from .to as themselves, and
+        # their .grad would add up across runs and be shared by the runs compared.
+        xs = {n: t.to(dtype).to(KDEV).clone().requires_grad_(not inference) for n, t in x.items()}
+        opts = {**opts, 'initial_state': s0.to(KDEV).clone().requires_grad_(not inference)}
         opts = {n: t.to(KDEV) if isinstance(t, torch.Tensor) else t for n, t in opts.items()}
         with torch.set_grad_enabled(not inference):
             o, ht = chunk_kda(**xs, output_final_state=True, **opts)
