@@ -825,7 +825,7 @@ def test_segmented_forward(monkeypatch, case):
     monkeypatch.setattr(chunk_mod, 'stage1_cumsum',
                         lambda q, *a, decayed: cumsums.append((q.shape[1], decayed)) or cumsum(q, *a, decayed=decayed))
     monkeypatch.setattr(chunk_mod, 'stage1_matrices',
-                        lambda q, *a: matrices.append((q.shape[1], a[-1])) or rest(q, *a))
+                        lambda q, *a, **kw: matrices.append((q.shape[1], a[-1])) or rest(q, *a, **kw))
 
     def run():
         if not final:

@@ -662,7 +662,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
         if segments is None:
             stage1_cumsum(q, k, g, scale, layout, gate, HV, s1, decayed=False)
             join(side)
-            stage1_matrices(q, k, beta, scale, layout, HV, s1, l2norm, all_near)
+            stage1_matrices(q, k, beta, scale, layout, HV, s1, l2norm, all_near=all_near)
             sweep(s1, slice(0, T), layout, initial_state, final_state)
             return o, final_state, s1, h
         cumsum_first = busy_sweep(HV, K, V, dev)
@@ -683,7 +683,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             if i == 0:
                 join(side)
             stage1_matrices(q[:, part], k[:, part], beta[:, part], scale, part_layout, HV, s1_part,
-                            l2norm, all_near)
+                            l2norm, all_near=all_near)
             side = fork(dev)
             with torch.cuda.stream(side):
                 sweep(s1_part, part, part_layout, initial_state if i == 0 else carried,
