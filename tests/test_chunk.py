@@ -1471,11 +1471,9 @@ def test_all_near_pair_products(monkeypatch, inference):
         if name == 'g given':
             x['g'] = x_g
         assert seen == [expect[name]], (name, seen)
-    if not INTERPRET:
-        # (16-bit inputs take the PyTorch path in the interpreter: no kernel runs there.)
-        seen.clear()
-        run(torch.float16, **cases['l2norm'])
-        assert seen == [False], seen
+    seen.clear()
+    run(torch.float16, **cases['l2norm'])
+    assert seen == [False], seen
     near = run(**cases['l2norm'])
     force['ALL_NEAR'] = False
     general = run(**cases['l2norm'])

@@ -92,7 +92,9 @@ def group_products(b_qk, b_kk, b_q, b_k, b_c, b_r0, k_base, b_rk, gc_base, gc_st
     rows; entries between groups b < a factor through the last row of group b (both factors
     <= 1), one tensor-core product per group b with the other rows and columns zeroed; the 4 x 4
     diagonal groups are formed element by element, one gathered column per row at a time.
-    Entries (i, j) read rows <= i only; entries of near keys get exact zeros added. ``b_rk``:
+    Entries (i, j) read rows <= i only for finite c (a NaN row of c, through 0 times NaN,
+    reaches the rows before it in its group; the chunk's outputs are NaN anyway); entries of
+    near keys get exact zeros added. ``b_rk``:
     None, or the inverse norms of the block's raw key rows, which scale the rows loaded here as
     ``b_k``'s were (``L2NORM``)."""
     G: tl.constexpr = 4
@@ -136,7 +138,9 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk, gc_base, gc_st
     own row and r only, so no entry's rounding depends on a later row (bit-exact causality); adding
     the zeros of near entries changes no bit. ``ALL_NEAR``: no entry can be far (steps >= -5 and
     keys of norm 1: the lower-bound gate with normalized keys), so neither the test nor
-    ``group_products`` is compiled; the same bits. Otherwise (float16, whose range ends at 65504):
+    ``group_products`` is compiled; the same outputs bit for bit (where c is NaN, the stored
+    Aqk and A' of that chunk may differ in which entries are NaN, see ``group_products``; the
+    chunk's outputs are NaN either way). Otherwise (float16, whose range ends at 65504):
     ``group_products`` for every entry."""
     # The row factor meets key factors up to exp(FAR_SPAN) on the diagonal block. Flushed below
     # 1.2e-38 (exp_ftz), a row whose block decays past 87.3 from r loses terms up to
@@ -146,8 +150,11 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk, gc_base, gc_st
     b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :], DOT_DTYPE == tl.float32), 0.)
     b_qe = b_q * b_up
     b_ke = b_k * b_up
+    tl.static_assert(FACTORED or not ALL_NEAR, "ALL_NEAR factors the block: not for float16")
     if ALL_NEAR:
-        # r - c_j <= 15 * 5 = 75 < FAR_SPAN and |k| <= 1 < FAR_KEY: far_keys would mark nothing.
+        # r - c_j <= 15 * 5 = 75 < FAR_SPAN and |k| <= 1 < FAR_KEY: far_keys would mark nothing
+        # but NaN entries, whose rows and columns come out NaN either way (the triangle masks
+        # the entries above the diagonal, so the rows before them keep their bits).
         b_kdt = tl.trans(b_k * exp_ftz(b_r[None, :] - b_c))
         b_qk += mm(b_qe, b_kdt, DOT_DTYPE)
         b_kk += mm(b_ke, b_kdt, DOT_DTYPE)
