@@ -27,7 +27,7 @@ from kda.kernels.chunk_intra_bwd import (chunk_gate_bwd_kernel, chunk_intra_bwd_
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
-from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
+from kda.ops.gate import KernelGate, activate_beta, activate_gate, bounded_decay, kernel_beta
 from kda.ops.l2norm import l2norm_bwd, l2norm_fwd
 from kda.ops.utils import (INTERPRET, cdiv, contiguous, fork, join, next_pow2, on_q_device,
                            state_strides, use_kernels)
@@ -496,12 +496,13 @@ def stage1_matrices(q, k, beta, scale, layout: ChunkLayout, HV: int, s1: Stage1,
     # dependent_launch for the cost in training.
     pdl = l2norm and dependent_launch(q.device)
     chunks = dict(chunk_rows=layout.rows, T=T, NT=layout.NT, PDL=pdl, launch_pdl=pdl)
+    # float16's range ends at 65504: no factor >= 1 on its operands.
+    factored = dt != torch.float16
     chunk_pair_fwd_kernel[(layout.total * (BT // BC), HV)](
         q, k, s1.gc, s1.Aqk, s1.Akk, s1.qt, s1.kbar, s1.kg, scale=scale, H=H, HV=HV, K=K, BT=BT,
         BC=BC, DOT_DTYPE=DOT_DTYPES[dt],
-        # float16's range ends at 65504: no factor >= 1 on its operands.
-        FACTORED_DIAG=dt != torch.float16, ALL_NEAR=all_near and dt != torch.float16, L2NORM=l2norm,
-        IS_VARLEN=is_varlen, **chunks,
+        FACTORED_DIAG=factored, ALL_NEAR=all_near and factored, L2NORM=l2norm, IS_VARLEN=is_varlen,
+        **chunks,
         **launch_config('pair_fwd_norms' if l2norm else 'pair_fwd', K, K))
     chunk_solve_kernel[(layout.total, HV)](
         beta, s1.Akk, s1.Minv, HV=HV, BT=BT, BC=BC, DOT_DTYPE=DOT_DTYPES[dt], IS_VARLEN=is_varlen,
@@ -609,8 +610,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     ``prepare_beta`` (inference): ``beta`` is the caller's, and ``prepare_beta(out, beta)``
     writes the float32 copy the kernels read (``kernel_beta``); it runs on the side stream
     beside the first cumsum, which does not read it, and not at the head of the current stream's
-    chain (at SEGMENT_MIN_TOKEN_HEADS and above). H200, Kimi inference forward ms at (8, 4096, 16) / (1, 32768, 32) / (1, 8192, 96)
-    (twenty-eighth session, BENCHMARKS.md note 137): -0.003 / -0.004 / -0.001 against beta's two
+    chain (at SEGMENT_MIN_TOKEN_HEADS and above). H200, Kimi inference forward ms at
+    (8, 4096, 16) / (1, 32768, 32) / (1, 8192, 96) (twenty-eighth session, BENCHMARKS.md note 137): -0.003 / -0.004 / -0.001 against beta's two
     PyTorch kernels (float copy, sigmoid) at the chain's head; beta given activated in float32,
     the bound, read -0.008 / -0.007 / -0.010 against that head.
 
@@ -644,8 +645,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, **blocks,
             **head_dims(q, v, part_layout, cu_seqlens))
 
-    # The lower-bound gate's steps are >= lower_bound >= -5 (validated).
-    all_near = (l2norm or unit_keys) and gate is not None and gate.kind == 'sigmoid'
+    all_near = (l2norm or unit_keys) and bounded_decay(gate)
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     s1 = stage1_buffers(B, T, HV, K, layout.BT, dev, dt)
     side = None
@@ -781,8 +781,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, state_v_first, cu_seql
         q, k, v, beta, gc, Akk, Minv, h, v_new, do, dh, dv_new,
         dq, dk, dv, dbeta, dg, dAqk, dAkk, layout.rows, scale, T, layout.NT,
         **launch_config('intra_bwd', K, V), **common)
-    # The lower-bound gate's steps are >= lower_bound >= -5 (validated).
-    bounded = gate is not None and gate.kind == 'sigmoid'
+    bounded = bounded_decay(gate)
     cfg = launch_config('pair_bwd_bounded' if bounded else 'pair_bwd', K, V)
     chunk_pair_bwd_kernel[(layout.total * (BT // BC), HV * cdiv(K, cfg['BK']))](
         q, k, gc, dAqk, dAkk, dq, dk, dg, layout.rows, T, layout.NT,

@@ -35,6 +35,13 @@ class KernelGate:
         return KernelGate('sigmoid', A_log, dt_bias, float(lower_bound))
 
 
+def bounded_decay(gate: KernelGate | None) -> bool:
+    """Whether every step's log-decay is >= -5: the lower-bound gate's are >= lower_bound, which
+    validation keeps in [-5, 0). The pair kernels' builds for it skip their far-entry fallbacks
+    (``BOUNDED_DECAY``, ``ALL_NEAR``)."""
+    return gate is not None and gate.kind == 'sigmoid'
+
+
 def activate_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                   lower_bound: float | None) -> torch.Tensor:
     HV, K = g.shape[-2], g.shape[-1]
