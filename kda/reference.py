@@ -1,6 +1,6 @@
 """Pure-PyTorch KDA: the naive recurrence (the oracle) and the chunked WY/UT algebra.
 
-Both follow the contract of ``API.md``. Per value head and sequence, with column vectors and a
+Both follow the contract of ``docs/API.md``. Per value head and sequence, with column vectors and a
 key-by-value state ``S`` of shape ``[K, V]``::
 
     S_t = Diag(exp(g_t)) S_{t-1}
@@ -105,7 +105,7 @@ def naive_recurrent_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA recurrence; the oracle for every kernel.
 
-    Shapes as in API.md: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log-decay);
+    Shapes as in docs/API.md: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log-decay);
     beta ``[B, T, HV]``; states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
     Returns ``(o, final_state)``; ``o`` has q's dtype, the final state is float32 (both float64
     for float64 inputs).

@@ -54,7 +54,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def make_inputs(B: int, T: int, H: int, HV: int, K: int, V: int, dtype=torch.float32,
                 device='cpu', strong_decay: bool = False, normalize_k: bool = True,
                 gate_dtype=None) -> dict[str, torch.Tensor]:
-    """Random ``q, k, v, g, beta`` with the shapes of API.md, as a dict of keyword arguments.
+    """Random ``q, k, v, g, beta`` with the shapes of docs/API.md, as a dict of keyword arguments.
 
     * ``k`` has unit L2 norm per head (``normalize_k=True``) so the delta rule is stable; with
       ``normalize_k=False`` q and k are raw Gaussians times 2 (for ``use_qk_l2norm_in_kernel``).

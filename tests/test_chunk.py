@@ -283,7 +283,7 @@ def test_forward_K32_V100():
                                   'lower_bound_saturated', 'lower_bound_saturated+l2norm',
                                   'lower_bound+A_log_varlen_K60'])
 def test_gate_and_beta_in_kernel(gate):
-    """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of API.md written out here
+    """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of docs/API.md written out here
     in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias.
     'A_log_wide': the softplus gate without dt_bias on raw gates within +-40: steps from about
     -1e-17 to below the -104 clamp (a = exp(1.5): down to -179), where the gradient is 0.

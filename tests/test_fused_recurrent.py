@@ -413,7 +413,7 @@ GATES = {
 @pytest.mark.parametrize('cfg', GATES.values(), ids=GATES.keys())
 def test_gate_and_beta_activations(path, cfg):
     """The in-kernel gate/beta options against the reference on activations computed here in
-    float64 from API.md's formulas."""
+    float64 from docs/API.md's formulas."""
     use_A, use_dt, lb, safe, beta_sig, neg = cfg
     use_gate = use_A is not None
     B, T, H, HV, K, V = 2, 6, 1, 2, 24, 40

@@ -1,5 +1,5 @@
 """Bad input to ``fused_recurrent_kda``: every malformed call raises ValueError or TypeError at the
-public boundary, with a message naming the argument, before anything is computed (API.md)."""
+public boundary, with a message naming the argument, before anything is computed (docs/API.md)."""
 from __future__ import annotations
 
 import pytest

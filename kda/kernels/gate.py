@@ -1,4 +1,4 @@
-"""The in-kernel gate and beta activations of API.md (``use_gate_in_kernel``,
+"""The in-kernel gate and beta activations of docs/API.md (``use_gate_in_kernel``,
 ``use_beta_sigmoid_in_kernel``), applied inside the kernels that read ``g`` and ``beta``, so that
 the activated values never cross HBM (and a decode step launches one kernel, allocating nothing).
 

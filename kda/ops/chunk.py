@@ -69,7 +69,7 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
     kernels (~0.035 ms on the H200 for the benchmark's varlen batch): the last varlen map is kept
     and returned again for the same host offsets, chunk size, device and stream. The map is a
     function of those alone: ``cu_seqlens`` holds the host offsets' values (read from it, or
-    ``cu_seqlens_cpu``, which must match it, API.md). Same stream: a map built on another one
+    ``cu_seqlens_cpu``, which must match it, docs/API.md). Same stream: a map built on another one
     might not be written yet. Neither kept nor reused inside a CUDA graph capture or a
     ``torch.compile`` trace: a captured map is written only when the graph replays, and a graph
     must own the memory it reads (a kept map is freed when the next one replaces it)."""
@@ -96,7 +96,7 @@ def varlen_chunk_layout(BT: int, seq_offsets: list[int], cu_seqlens: torch.Tenso
     counts = (cu[1:] - cu[:-1] + BT - 1) // BT
     offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
     # output_size: the size is known here, so repeat_interleave does not read counts back. It
-    # trusts cu_seqlens_cpu to hold cu_seqlens' values (API.md); checking would cost the sync.
+    # trusts cu_seqlens_cpu to hold cu_seqlens' values (docs/API.md); checking would cost the sync.
     seq = torch.repeat_interleave(counts, output_size=total)
     first = cu[seq] + (torch.arange(total, device=cu.device) - offsets[seq]) * BT
     rows = torch.stack([first, torch.clamp(cu[seq + 1] - first, max=BT)], 1)
@@ -912,7 +912,7 @@ def chunk_kda(
 ):
     """KDA by the chunkwise-parallel WY/UT algorithm: training and prefill.
 
-    Same contract as ``fused_recurrent_kda`` (API.md): q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+    Same contract as ``fused_recurrent_kda`` (docs/API.md): q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
     g ``[B, T, HV, K]`` (log-decay, <= 0), beta ``[B, T, HV]``, float32 states ``[N, HV, K, V]``
     (``[N, HV, V, K]`` with ``state_v_first``). Differentiable in q, k, v, g, beta, the initial
     state (and A_log, dt_bias with the in-kernel gate), including gradients arriving through the

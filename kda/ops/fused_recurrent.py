@@ -128,7 +128,7 @@ def fused_recurrent_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA by the token-by-token recurrence: the decode step (T = 1) and short prefills.
 
-    Computes, per value head and sequence (API.md)::
+    Computes, per value head and sequence (docs/API.md)::
 
         S_t = Diag(exp(g_t)) S_{t-1};  S_t += beta_t k_t (v_t - S_t^T k_t)^T;  o_t = S_t^T (scale q_t)
 

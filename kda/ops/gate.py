@@ -1,4 +1,4 @@
-"""The gate and beta activations of API.md, applied before the recurrence.
+"""The gate and beta activations of docs/API.md, applied before the recurrence.
 
     g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h])                  (no lower bound)
     g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h]))    (lower bound; without A_log

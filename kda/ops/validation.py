@@ -60,7 +60,7 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
 
     The host copy is taken from ``cu_seqlens_cpu`` when given, else by one device sync. Where
     ``cu_seqlens`` itself is on the CPU (reading it costs no sync) the two must agree; a device
-    ``cu_seqlens`` is trusted to hold ``cu_seqlens_cpu``'s values (API.md), as checking it would
+    ``cu_seqlens`` is trusted to hold ``cu_seqlens_cpu``'s values (docs/API.md), as checking it would
     cost the sync that ``cu_seqlens_cpu`` exists to avoid.
     """
     if cu_seqlens is None:
@@ -84,7 +84,7 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
         if cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu must have the shape of cu_seqlens {list(cu_seqlens.shape)}, "
                              f"got {list(cu_seqlens_cpu.shape)}")
-        # The host, as API.md has it; q's device is accepted too (FLA reads either), at the cost of
+        # The host, as docs/API.md has it; q's device is accepted too (FLA reads either), at the cost of
         # the sync that the host copy exists to avoid.
         if cu_seqlens_cpu.device.type != 'cpu' and cu_seqlens_cpu.device != device:
             raise ValueError(f"cu_seqlens_cpu must be on the CPU (the host copy of cu_seqlens) or on {device} "
@@ -179,7 +179,7 @@ def validate_chunk_size(chunk_size) -> int:
 
 def validate_activations(HV: int, K: int, device: torch.device, use_gate_in_kernel, A_log, dt_bias,
                          safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval) -> None:
-    """Checks the in-kernel gate and beta options of API.md and the combinations they allow."""
+    """Checks the in-kernel gate and beta options of docs/API.md and the combinations they allow."""
     for name, x in (('use_gate_in_kernel', use_gate_in_kernel), ('safe_gate', safe_gate),
                     ('use_beta_sigmoid_in_kernel', use_beta_sigmoid_in_kernel),
                     ('allow_neg_eigval', allow_neg_eigval)):
