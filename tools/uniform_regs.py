@@ -1,16 +1,16 @@
 """Offline check of the state sweeps' sm_90 machine code for uniform registers read before any
 write (in program order), without a GPU.
 
-    python benchmarks/uniform_regs.py
+    python -m tools.uniform_regs      (or python tools/uniform_regs.py from the repository root)
 
-Why: the carry compiled with one pipeline stage (bf16, 16-wide, 4 warps) faulted on the H200
-with "Out-of-range shared or local address" (compute-sanitizer) at a wgmma whose shared-memory
+Why: the carry compiled with one pipeline stage (bf16, 16-wide, 4 warps) faults on the H200 with
+"Out-of-range shared or local address" (compute-sanitizer) at a wgmma whose shared-memory
 descriptor ptxas builds from two uniform registers the kernel never writes first (triton 3.6,
-whose bundled ptxas is CUDA 12.8; BENCHMARKS.md note 51). Among the builds checked there, that
-one alone reads a uniform register before writing it; the launch settings in use do not. Run this
-with the GPU's Triton (3.6) after changing a state sweep or its launch settings. The launch's
-specializations are modelled (16-byte aligned pointers, sizes divisible by 16, unit value
-stride): without them the compiled code differs.
+whose bundled ptxas is CUDA 12.8). Among the builds checked, that one alone reads a uniform
+register before writing it; the launch settings in use do not. Run this with the GPU's Triton
+(3.6) after changing a state sweep or its launch settings. The launch's specializations are
+modelled (16-byte aligned pointers, sizes divisible by 16, unit value stride): without them the
+compiled code differs.
 """
 import os
 import re
@@ -21,8 +21,12 @@ import torch
 import triton
 
 from kda.kernels import chunk_state, chunk_state_bwd, chunk_state_output
-from kda.ops.chunk import DOT_DTYPES
 from kda.ops.offline import compile_sm90
+
+if __package__:
+    from .kda_internals import DOT_DTYPES
+else:  # run as a script: this folder is on sys.path
+    from kda_internals import DOT_DTYPES
 
 KERNELS = {'state_fwd': chunk_state.chunk_state_fwd_kernel,
            'state_bwd': chunk_state_bwd.chunk_state_bwd_kernel,

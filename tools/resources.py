@@ -1,15 +1,16 @@
 """Registers, spills and shared memory of the chunk kernels on sm_90a, without a GPU.
 
-    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/resources.py [kernel names, default all]
+    TRITON_DEFAULT_FP_FUSION=1 python -m tools.resources [kernel names, default all]
+    (or python tools/resources.py from the repository root)
 
 Compiles each kernel with Triton for an H100/H200 target at the benchmark's shape (bf16,
 K = V = 128, chunk 64, the launchers' block sizes; argument types from ``kda/ops/offline.py``, with
 the 16-byte divisibility a launch gives aligned pointers and strides: without it the loads do not
-vectorize, and ptxas reported several times the spills, e.g. 828 against 0 B a thread for the
-per-chunk gradients, 552 against 4 B for the pair products at 2 warps) and
-runs the ptxas bundled with Triton (`ptxas-blackwell`, which accepts the PTX version the newest
-Triton emits) with -v. Costs no device time. Run it with the GPU's Triton version (3.6 on the
-lent H200) for the figures that matter: 3.6 and 3.9 allocate differently.
+vectorize, and ptxas reports several times the spills, e.g. 828 against 0 B a thread for the
+per-chunk gradients, 552 against 4 B for the pair products at 2 warps) and runs the ptxas bundled
+with Triton (`ptxas-blackwell`, which accepts the PTX version the newest Triton emits) with -v.
+Run it with the Triton version the GPU runs (3.6) for the figures that matter: 3.6 and 3.9
+allocate registers differently.
 """
 import os
 import subprocess
@@ -20,9 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.kernels.chunk_intra import chunk_cumsum_kernel, chunk_pair_fwd_kernel, chunk_solve_kernel
-from kda.kernels.chunk_intra_bwd import (chunk_gate_bwd_kernel, chunk_intra_bwd_kernel, chunk_pair_bwd_kernel,
-                                         gate_param_grad_kernel)
+from kda.kernels.chunk_intra import (
+    chunk_cumsum_kernel,
+    chunk_pair_fwd_kernel,
+    chunk_solve_kernel,
+)
+from kda.kernels.chunk_intra_bwd import (
+    chunk_gate_bwd_kernel,
+    chunk_intra_bwd_kernel,
+    chunk_pair_bwd_kernel,
+    gate_param_grad_kernel,
+)
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
@@ -36,7 +45,7 @@ def report(name, fn, values, dtype, launches, **signature_options):
         k = compile_sm90(fn, values, dtype, options, **({'specialize': True} | signature_options))
         with tempfile.NamedTemporaryFile('w', suffix='.ptx', delete=False) as f:
             f.write(k.asm['ptx'])
-        r = subprocess.run([ptxas, '-v', '--gpu-name', 'sm_90a', f.name, '-o', '/dev/null'], capture_output=True, text=True)
+        r = subprocess.run([ptxas, '-v', '--gpu-name', 'sm_90a', f.name, '-o', '/dev/null'], capture_output=True, text=True, check=False)
         os.unlink(f.name)
         out = r.stderr + r.stdout
         lines = [l for l in out.splitlines() if 'registers' in l or 'spill' in l or 'stack' in l] or [out[-300:]]
@@ -99,8 +108,8 @@ KERNELS = {
                      dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                      dict(absent=OPTIONAL | {'h'}), [(4, 1, None), (8, 1, None), (4, 2, None)]),
     # FEW_PROGRAMS (kda/ops/chunk.py): 32-wide slices, 2 stages; with the states a segment hands
-    # over. Capped at 192 registers (5 pair-product programs fit beside it): measured slower
-    # (BENCHMARKS.md note 133).
+    # over. Also capped at 192 registers (5 pair-product programs fit beside it), which times
+    # slower end to end.
     'state_output_few': (chunk_state_output_fwd_kernel,
                          dict(BK=128, BV=32, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, STORE_STATES=False),
                          dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}), [(4, 2, None), (4, 2, 192)]),
@@ -115,8 +124,15 @@ KERNELS = {
                                dict(absent=OPTIONAL | {'h'}, dtype=torch.float32), [(8, 2, None)]),
 }
 
-if __name__ == '__main__':
-    for name in sys.argv[1:] or KERNELS:
+def main(names):
+    unknown = sorted(set(names) - set(KERNELS))
+    if unknown:
+        raise SystemExit(f"unknown kernels {unknown}; expected some of {', '.join(KERNELS)}")
+    for name in names or KERNELS:
         fn, values, options, launches = KERNELS[name]
         options = dict(options)
         report(name, fn, common | values, options.pop('dtype', torch.bfloat16), launches, **options)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

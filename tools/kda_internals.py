@@ -1,0 +1,39 @@
+"""The one place outside ``kda`` that reaches into the chunk operator's internals (launch tables,
+the forward's segment schedule, the matrix-product dtypes). Everything else imports them from
+here, so that a move inside ``kda.ops`` is fixed on the import line below.
+
+``TUNING``, ``FEW_PROGRAMS`` and ``WIDE_SLICES`` are the launchers' own dicts: an entry edited
+in place is what the next launch reads. ``forward_segments`` is looked up by the forward at
+each call in ``CHUNK_MODULE``: ``replaced_forward_segments`` swaps it there.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from kda.ops import chunk as CHUNK_MODULE
+from kda.ops import fused_recurrent as RECURRENT_MODULE
+
+DOT_DTYPES = CHUNK_MODULE.DOT_DTYPES
+TUNING = CHUNK_MODULE.TUNING
+FEW_PROGRAMS = CHUNK_MODULE.FEW_PROGRAMS
+WIDE_SLICES = CHUNK_MODULE.WIDE_SLICES
+DECODE_TUNING = RECURRENT_MODULE.DECODE_TUNING
+chunk_layout = CHUNK_MODULE.chunk_layout
+segment_bounds = CHUNK_MODULE.segment_bounds
+LAUNCH_TABLES = {'TUNING': TUNING, 'FEW_PROGRAMS': FEW_PROGRAMS, 'WIDE_SLICES': WIDE_SLICES}
+
+
+def forward_segments(*args, **kwargs):
+    """The library's schedule (whatever ``replaced_forward_segments`` put in place)."""
+    return CHUNK_MODULE.forward_segments(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def replaced_forward_segments(schedule):
+    """``schedule`` (``forward_segments``' signature) in the forward's place, restored on exit."""
+    library = CHUNK_MODULE.forward_segments
+    CHUNK_MODULE.forward_segments = schedule
+    try:
+        yield library
+    finally:
+        CHUNK_MODULE.forward_segments = library
