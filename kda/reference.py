@@ -10,13 +10,13 @@ key-by-value state ``S`` of shape ``[K, V]``::
 Given float64 inputs everything is computed in float64; otherwise in float32. These functions are
 differentiable by autograd and are what every kernel is tested against.
 
-Log-decays outside the contract ``g <= 0``: a step with ``g > 0`` (growth, which the chunk form
-cannot factor safely) or NaN in any key channel of a value head poisons that head. In
-``naive_recurrent_kda`` its outputs are NaN from that token on; in ``chunk_kda_reference`` from the
-first token of that token's chunk on; in both its final state is NaN (and so is every state
-entering a later chunk), and so are the gradients that flow through them. Other heads and
-sequences are untouched. ``g = -inf`` (a decay factor of exactly 0) is inside the contract and
-exact on both.
+Log-decays outside the contract ``g <= 0``: a step with ``g > 0`` (growth, which the chunk
+kernels' factored decays cannot hold) or NaN in any key channel of a value head poisons that head
+on every path, here as in the kernels. In ``naive_recurrent_kda`` its outputs are NaN from that
+token on; in ``chunk_kda_reference`` from the first token of that token's chunk on; in both its
+final state is NaN (and so is every state entering a later chunk), and so are the gradients that
+flow through them. Other heads and sequences are untouched. ``g = -inf`` (a decay factor of
+exactly 0) is inside the contract and exact on both.
 """
 from __future__ import annotations
 
