@@ -10,6 +10,8 @@ tokens in order::
 The state never leaves registers between tokens; it is read once at the start and written once at
 the end, so a decode step (T = 1) moves the state's bytes twice and little else. With ``GATE`` /
 ``BETA`` (``kernels/gate.py``) ``g`` and ``beta`` are the raw gate and beta logits, activated here.
+A log-decay > 0 or NaN at token t makes that head's outputs NaN from t on and its final state NaN
+(the policy of ``kda/reference.py``, which the PyTorch path follows).
 """
 import triton
 import triton.language as tl
@@ -94,6 +96,9 @@ def fused_recurrent_kda_kernel(
         b_beta = beta_fwd(tl.load(p_beta).to(tl.float32), BETA)
         if GATE != 'none':
             b_g = gate_fwd(b_g + b_bias, b_a, lower_bound, GATE)
+        # Out of contract (g > 0, growth): NaN like a NaN g, never a finite answer. A NaN row of the
+        # state makes the prediction S^T k NaN in every column, and the update then every entry.
+        b_g = tl.where(b_g > 0, float('nan'), b_g)
         if USE_L2NORM:
             b_q = l2_normalize(b_q)
             b_k = l2_normalize(b_k)

@@ -134,7 +134,9 @@ def fused_recurrent_kda(
 
     Args:
         q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with ``HV % H == 0``. g: ``[B, T, HV, K]``
-            log-decay (or the raw gate with ``use_gate_in_kernel``). beta: ``[B, T, HV]``.
+            log-decay (or the raw gate with ``use_gate_in_kernel``), <= 0: a log-decay > 0 or NaN
+            at token t makes that head's outputs NaN from t on and its final state NaN.
+            beta: ``[B, T, HV]``.
         initial_state: float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); with
             ``ssm_state_indices`` a pool ``[P, HV, K, V]`` of which sequence n uses slot
             ``ssm_state_indices[n]`` (a slot outside the pool gives NaN outputs and no write).
