@@ -6,6 +6,7 @@ got and what it expects. Nothing is reshaped here: the launchers receive exactly
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ import torch
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 CHUNK_SIZES = (32, 64)
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,9 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
             scale = float(scale)
         except OverflowError:
             raise ValueError(f"scale must fit a float, got an int of {scale.bit_length()} bits") from None
+        # The kernels take scale as a float32: beyond its range it is inf there, and so is q * scale.
+        if not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
+            raise ValueError(f"scale must be finite as a float32 (|scale| <= {FLOAT32_MAX:.7g}), got {scale}")
     N, offsets = validate_cu_seqlens(cu_seqlens, B, T, device, cu_seqlens_cpu)
     if check_state:
         validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, device)
