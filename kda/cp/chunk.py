@@ -69,8 +69,8 @@ class _EnteringState(torch.autograd.Function):
         r = layout.rank
         HV, K, V = final.shape[1:]
         offsets_all = offsets.wait()
-        transitions_all = transitions.wait() if transitions is not None \
-            else offsets_all.new_empty(layout.world_size, HV, K, K)
+        # Without middle ranks no fold below reads a transition: the slices are empty.
+        transitions_all = transitions.wait() if transitions is not None else offsets_all.new_empty(0, HV, K, K)
         if layout.continues_in[r]:
             a = layout.chain_start[r]
             state = merge_states(transitions_all[a + 1:r], offsets_all[a + 1:r], offsets_all[a])
@@ -183,11 +183,12 @@ def chunk_kda_cp(
               disable_recompute, return_intermediate_states)
     from kda.ops.chunk import chunk_kda
     layout = cp_context
-    options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
-                   lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                   allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size, disable_recompute=disable_recompute)
-    pieces = dict(cu_seqlens=layout.cu_seqlens, cu_seqlens_cpu=layout.cu_seqlens_cpu)
+    options = {'scale': scale, 'use_qk_l2norm_in_kernel': use_qk_l2norm_in_kernel,
+               'use_gate_in_kernel': use_gate_in_kernel, 'A_log': A_log, 'dt_bias': dt_bias,
+               'safe_gate': safe_gate, 'lower_bound': lower_bound,
+               'use_beta_sigmoid_in_kernel': use_beta_sigmoid_in_kernel, 'allow_neg_eigval': allow_neg_eigval,
+               'chunk_size': chunk_size, 'disable_recompute': disable_recompute}
+    pieces = {'cu_seqlens': layout.cu_seqlens, 'cu_seqlens_cpu': layout.cu_seqlens_cpu}
     if state_v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2)
     if not layout.communicates:

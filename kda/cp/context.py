@@ -13,6 +13,7 @@ Everything here is host arithmetic on the offsets, the same on every rank; nothi
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ def _offsets(cu_seqlens, cu_seqlens_cpu) -> list[int]:
         offsets = cu_seqlens.tolist()
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
+    if any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
     return offsets
 

@@ -54,10 +54,10 @@ def local_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     ``chunk_kda`` forwards: one of value width K for M, one of width V for E.
     """
     from kda.ops.chunk import chunk_kda
-    options = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                   A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size)
+    options = {'use_qk_l2norm_in_kernel': use_qk_l2norm_in_kernel, 'use_gate_in_kernel': use_gate_in_kernel,
+               'A_log': A_log, 'dt_bias': dt_bias, 'safe_gate': safe_gate, 'lower_bound': lower_bound,
+               'use_beta_sigmoid_in_kernel': use_beta_sigmoid_in_kernel, 'allow_neg_eigval': allow_neg_eigval,
+               'cu_seqlens': cu_seqlens, 'cu_seqlens_cpu': cu_seqlens_cpu, 'chunk_size': chunk_size}
     _, offset = chunk_kda(k, k, v, g, beta, initial_state=initial_state, output_final_state=True, **options)
     HV, K = g.shape[2], g.shape[3]
     zeros = k.new_zeros(*v.shape[:3], K)
@@ -68,7 +68,7 @@ def local_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
 
 def merge_states(transitions: torch.Tensor, offsets: torch.Tensor,
                  initial_state: torch.Tensor | None = None) -> torch.Tensor:
-    """The state leaving a chain of segments, in float32.
+    """The state leaving a chain of segments, in float32 (float64 for float64 summaries).
 
     ``transitions`` ``[R, ..., K, K]`` and ``offsets`` ``[R, ..., K, V]`` summarize R consecutive
     segments in order; ``initial_state`` ``[..., K, V]`` enters the first (zeros when None). Returns
@@ -87,8 +87,9 @@ def merge_states(transitions: torch.Tensor, offsets: torch.Tensor,
     if initial_state is not None and initial_state.shape != offsets.shape[1:]:
         raise ValueError(f"initial_state must be [..., K, V] = {list(offsets.shape[1:])}, "
                          f"got {list(initial_state.shape)}")
-    state = offsets.new_zeros(offsets.shape[1:], dtype=torch.float32) if initial_state is None \
-        else initial_state.float()
-    for M, E in zip(transitions.float(), offsets.float()):
+    dtype = torch.promote_types(torch.promote_types(transitions.dtype, offsets.dtype), torch.float32)
+    state = offsets.new_zeros(offsets.shape[1:], dtype=dtype) if initial_state is None \
+        else initial_state.to(dtype)
+    for M, E in zip(transitions.to(dtype), offsets.to(dtype)):
         state = M @ state + E
     return state
