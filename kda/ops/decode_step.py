@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 
 from kda.kernels.fused_decode_step import decode_conv_kernel, decode_step_kernel
-from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.gated_norm import gated_rms_norm_reference
 from kda.ops.short_conv import MAX_CONV_SIZE, short_conv_update_reference
 from kda.ops.utils import cdiv, next_pow2, on_q_device, use_kernels
@@ -161,7 +160,8 @@ def _validate_convs(conv_states, conv_weights, conv_biases, N, key_dim, value_di
         if bias is not None:
             _expect_tensor(f'conv_biases[{which}]', bias)
             if tuple(bias.shape) != (D,) or bias.device != dev:
-                raise ValueError(f"conv_biases[{which}] must be [{D}] on {dev}, got {list(bias.shape)} on {bias.device}")
+                raise ValueError(f"conv_biases[{which}] must be [{D}] on {dev}, "
+                                 f"got {list(bias.shape)} on {bias.device}")
     if (biases[0] is None) != (biases[1] is None) or (biases[0] is None) != (biases[2] is None):
         raise ValueError("conv_biases must hold three tensors or be None")
     return W
@@ -183,14 +183,24 @@ def decode_step_reference(q, k, v, g, beta, gate, recurrent_state, *, A_log, dt_
     ct = torch.float64 if recurrent_state.dtype == torch.float64 else torch.float32
     qs, ks = (x.to(ct).view(N, 1, H, K) for x in rows[:2])
     vs = rows[2].to(ct).view(N, 1, HV, V)
-    log_decay = activate_gate(g.to(ct).view(N, 1, HV, K), None if A_log is None else A_log.to(ct).reshape(HV),
-                              None if dt_bias is None else dt_bias.to(ct), lower_bound)
-    b = activate_beta(beta.to(ct), allow_neg_eigval)
-    o, ht = naive_recurrent_kda(qs, ks, vs, log_decay.to(ct), b.to(ct), scale, recurrent_state.to(ct), True,
+    log_decay = _log_decay(g.to(ct).view(N, 1, HV, K), A_log, dt_bias, lower_bound)
+    b = torch.sigmoid(beta.to(ct)) * (2 if allow_neg_eigval else 1)
+    o, ht = naive_recurrent_kda(qs, ks, vs, log_decay, b, scale, recurrent_state.to(ct), True,
                                 use_qk_l2norm_in_kernel=True)
     recurrent_state.copy_(ht)
     y = gated_rms_norm_reference(o, gate.to(ct).view(N, 1, HV, V), norm_weight.to(ct), norm_eps)
     return y.reshape(N, 1, HV * V).to(q.dtype)
+
+
+def _log_decay(g, A_log, dt_bias, lower_bound):
+    """The in-kernel gate of docs/API.md in g's dtype (``kda.ops.gate.activate_gate`` computes
+    in float32; this reference keeps float64 inputs in float64)."""
+    HV, K = g.shape[-2:]
+    x = g if dt_bias is None else g + dt_bias.to(g.dtype).view(HV, K)
+    a = None if A_log is None else A_log.to(g.dtype).reshape(HV, 1).exp()
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(x if a is None else a * x)
 
 
 @on_q_device

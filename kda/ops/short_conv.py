@@ -84,8 +84,11 @@ def short_conv_reference(x, weight, bias=None, initial_state=None, output_final_
         h0 = (initial_state[n].to(ct) if initial_state is not None
               else xs.new_zeros(D, W))
         window = torch.cat([h0, xs], dim=1)                                  # positions -W .. T_n - 1
-        # positions -W + 1 .. T_n - 1 (an empty sequence has no outputs)
-        z = F.conv1d(window[None, :, 1:], w[:, None, :], b, groups=D)[0] if end > start else xs
+        # z_t = sum_w weight[w] x_{t - (W - 1) + w}: window column t + 1 + w
+        T_n = end - start
+        z = sum(w[:, j:j + 1] * window[:, 1 + j:1 + j + T_n] for j in range(W))
+        if b is not None:
+            z = z + b[:, None]
         ys.append((F.silu(z) if activation == 'silu' else z).t())
         states.append(window[:, window.shape[1] - W:])
     y = torch.stack(ys) if cu_seqlens is None else torch.cat(ys)[None]
