@@ -229,10 +229,11 @@ def test_padding_mask_equals_packed_batch(path):
     """Rows padded anywhere (left, right, fully padded) compute as the packed sequences of their
     tokens; padding positions give zeros; the cached states match the packed call's."""
     layer = KimiDeltaAttention(**SMALL).eval()
-    B, T = 3, 7
+    B, T = 4, 7
     mask = torch.ones(B, T, dtype=torch.int64)
     mask[0, :2] = 0            # left padding
     mask[1, 5:] = 0            # right padding
+    mask[3] = 0                # no tokens: a sequence of length 0
     x = torch.randn(B, T, 32)
     with torch.no_grad():
         y, _, cache = layer(x, attention_mask=mask, use_cache=True)
