@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from kda import chunk_kda  # noqa: E402
 sys.path.insert(0, str(ROOT / 'benchmarks'))
 import bench  # noqa: E402
-from kda.ops import chunk as chunk_ops  # noqa: E402
+from kda.ops.chunk import tuning as chunk_ops  # noqa: E402
 
 # Candidates for the state sweeps' shape-dependent tables, as (table in kda.ops.chunk, its key):
 # FEW_PROGRAMS (fewer programs than SMs) and WIDE_SLICES (the fused forward sweep otherwise,

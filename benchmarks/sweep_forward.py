@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / 'benchmarks'))
 import bench  # noqa: E402
 from kda import chunk_kda  # noqa: E402
-from kda.ops import chunk as chunk_ops  # noqa: E402
+from kda.ops.chunk import tuning as chunk_ops  # noqa: E402
 
 
 def pair(stage, BK, warps, stages, maxnreg=None):

@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / 'benchmarks'))
 
 from kda import chunk_kda  # noqa: E402
-from kda.ops import chunk as chunk_ops  # noqa: E402
+# forward_segments is replaced where chunk_kda_fwd looks it up.
+from kda.ops.chunk import forward as chunk_ops  # noqa: E402
+from kda.ops.chunk.schedule import segment_bounds  # noqa: E402
 from bench import _bench_setup, _chunk_inputs  # noqa: E402
 
 
@@ -59,7 +61,7 @@ def main(argv=None):
 
 def schedule(sched, B, T, HV, K, V, layout, *rest):
     """``forward_segments``' stand-in: ``sched = (segments, ratio)`` for ``segment_bounds``."""
-    return chunk_ops.segment_bounds(T, layout.BT, *sched)
+    return segment_bounds(T, layout.BT, *sched)
 
 
 def run(args, schedules, shapes, bench, library):

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from kda.kernels import chunk_state, chunk_state_bwd, chunk_state_output
-from kda.ops.chunk import DOT_DTYPES
+from kda.ops.chunk.launch import DOT_DTYPES
 from kda.ops.offline import compile_sm90
 
 KERNELS = {'state_fwd': chunk_state.chunk_state_fwd_kernel,
