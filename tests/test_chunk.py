@@ -34,7 +34,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kda.ops.chunk as chunk_mod
+import kda.ops.chunk.api as chunk_api
+import kda.ops.chunk.backward as chunk_bwd
+import kda.ops.chunk.forward as chunk_fwd
+import kda.ops.chunk.function as chunk_function
+import kda.ops.chunk.intra as chunk_intra
+import kda.ops.chunk.launch as chunk_launch
+import kda.ops.chunk.layout as chunk_map
+import kda.ops.chunk.schedule as chunk_schedule
 from kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
 from kda.ops.offline import H200_SHARED_MEMORY
 from kda.ops.utils import INTERPRET
@@ -56,6 +63,27 @@ requires_bf16_kernels = pytest.mark.skipif(
 # helpers
 # ----------------------------------------------------------------------------------------------
 
+CHUNK_MODULES = (chunk_api, chunk_bwd, chunk_fwd, chunk_function, chunk_intra, chunk_launch, chunk_map,
+                 chunk_schedule)
+
+
+def chunk_name(name: str):
+    """What ``name`` is bound to in the modules of ``kda.ops.chunk`` (the same object in each)."""
+    bound = {id(vars(m)[name]): vars(m)[name] for m in CHUNK_MODULES if name in vars(m)}
+    assert len(bound) == 1, f"{name}: bound to {len(bound)} objects in kda.ops.chunk"
+    return next(iter(bound.values()))
+
+
+def patch_chunk(monkeypatch, name: str, value):
+    """Sets ``name`` in every module of ``kda.ops.chunk`` that binds it: each module looks its
+    names up in its own namespace, so a function defined in one and imported by another is
+    replaced in both."""
+    chunk_name(name)
+    for m in CHUNK_MODULES:
+        if name in vars(m):
+            monkeypatch.setattr(m, name, value)
+
+
 def _dev(d: dict, device) -> dict:
     return {n: (None if x is None else x.to(device)) for n, x in d.items()}
 
@@ -68,9 +96,9 @@ def forbid_chunk_kernels(monkeypatch, disable=True):
         raise AssertionError("a kernel path ran where the PyTorch path must serve the call")
 
     if disable:
-        monkeypatch.setattr(chunk_mod, 'use_kernels', lambda x: False)
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', no_kernel)
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_bwd', no_kernel)
+        patch_chunk(monkeypatch, 'use_kernels', lambda x: False)
+    patch_chunk(monkeypatch, 'chunk_kda_fwd', no_kernel)
+    patch_chunk(monkeypatch, 'chunk_kda_bwd', no_kernel)
 
 
 def run_chunk(inputs: dict, h0, *, output_final_state=True, cu_seqlens=None, grads=True,
@@ -432,17 +460,17 @@ def test_inference_beta_ordered_before_its_readers(monkeypatch, case):
     for it would read NaN. Whole (two sequences), in time segments (one) and in segments after
     the cumsum of the whole sequence (12 SMs claimed, ``busy_sweep``), all past the forced
     SEGMENT_MIN_TOKEN_HEADS."""
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     if case.endswith('busy'):
-        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 12)
+        patch_chunk(monkeypatch, 'sm_count', lambda device: 12)
     B = 2 if case == 'whole' else 1
     x = make_inputs(B, 1500, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda')
     logits = torch.randn(B, 1500, 4, device='cuda')
     h0 = make_state(B, 4, 128, 128, device='cuda')
-    layout = chunk_mod.chunk_layout(B, 1500, 64, None, None)
+    layout = chunk_map.chunk_layout(B, 1500, 64, None, None)
     dev = torch.device('cuda')
-    assert (chunk_mod.forward_segments(B, 1500, 4, 128, 128, layout, None, False, dev) is not None) == (B == 1)
-    assert chunk_mod.busy_sweep(4, 128, 128, dev) == case.endswith('busy')
+    assert (chunk_schedule.forward_segments(B, 1500, 4, 128, 128, layout, None, False, dev) is not None) == (B == 1)
+    assert chunk_schedule.busy_sweep(4, 128, 128, dev) == case.endswith('busy')
 
     def forward(beta):
         with torch.no_grad():
@@ -450,14 +478,14 @@ def test_inference_beta_ordered_before_its_readers(monkeypatch, case):
                              use_beta_sigmoid_in_kernel=True)
 
     want = forward(logits)
-    prepare = chunk_mod.kernel_beta
+    prepare = chunk_api.kernel_beta
 
     def late(out, beta, **kw):
         out.fill_(float('nan'))
         torch.cuda._sleep(10 ** 7)
         prepare(out, beta, **kw)
 
-    monkeypatch.setattr(chunk_mod, 'kernel_beta', late)
+    patch_chunk(monkeypatch, 'kernel_beta', late)
     beta = torch.full_like(logits, float('nan'))
     torch.cuda._sleep(10 ** 7)
     beta.copy_(logits)
@@ -547,16 +575,16 @@ def test_forward_decayed_keys_and_queries(chunk_size, lengths, H, HV, K, dtype):
     q, k = (torch.randn(1, T, H, K, generator=gen).to(dtype).to(KDEV) for _ in range(2))
     g = (-0.02 - torch.rand(1, T, HV, K, generator=gen)).to(KDEV)
     beta = torch.rand(1, T, HV, generator=gen).to(dtype).to(KDEV)
-    layout = chunk_mod.chunk_layout(1, T, chunk_size, bounds, cu.to(KDEV))
+    layout = chunk_map.chunk_layout(1, T, chunk_size, bounds, cu.to(KDEV))
 
-    def stage1(matrices):
-        out = chunk_mod.stage1_buffers(1, T, HV, K, chunk_size, KDEV, dtype, matrices is None)
+    def in_chunk(matrices):
+        out = chunk_intra.in_chunk_buffers(1, T, HV, K, chunk_size, KDEV, dtype, matrices is None)
         for t in (out.gc, out.qt, out.kbar, out.kg):
             t.fill_(float('nan'))
-        return chunk_mod.chunk_stage1(q, k, g, beta, 0.3, layout, None, HV, matrices, out=out)
+        return chunk_intra.in_chunk_tensors(q, k, g, beta, 0.3, layout, None, HV, matrices, out=out)
 
-    fwd = stage1(None)
-    rec = stage1((fwd.Aqk, fwd.Akk, fwd.Minv))
+    fwd = in_chunk(None)
+    rec = in_chunk(fwd.matrices)
     c = fwd.gc.double().cpu()
     assert torch.isfinite(c).all(), "c not written everywhere"
     last = torch.empty_like(c)
@@ -605,11 +633,12 @@ def test_solve_against_inverse(chunk_size, lengths, H, HV, monkeypatch):
     offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
     varlen = len(lengths) > 1
     cu = lengths_to_cu(lengths).to(KDEV) if varlen else None
-    layout = chunk_mod.chunk_layout(1, T, chunk_size, offsets if varlen else None, cu)
+    layout = chunk_map.chunk_layout(1, T, chunk_size, offsets if varlen else None, cu)
     q, kd, vd, gd, betad = (t.to(KDEV) for t in (x['q'], k, x['v'], g, beta))
-    s1 = chunk_mod.chunk_stage1(q, kd, gd, betad, 0.25, layout, None, HV)
-    saved = chunk_mod.chunk_kda_recompute(q, kd, vd, betad, None, False, cu, layout, s1)
-    gc, _, Akk, Minv, kg, h, v_new = (t.double().cpu() for t in saved[:7])
+    intra = chunk_intra.in_chunk_tensors(q, kd, gd, betad, 0.25, layout, None, HV)
+    saved = chunk_bwd.chunk_kda_recompute(q, kd, vd, betad, None, False, cu, layout, intra)
+    gc, Akk, Minv, kg, h, v_new = (t.double().cpu() for t in (intra.gc, intra.Akk, intra.Minv, intra.kg,
+                                                              saved.h, saved.v_new))
     worst = far = 0.
     chunk = 0                               # global chunk index (h's first axis)
     for s, e in zip(offsets, offsets[1:]):
@@ -677,12 +706,12 @@ def test_forward_diagonal_row_factor_below_normal():
     k = k / k.norm(dim=-1, keepdim=True)
     q = torch.randn(1, T, 1, K, dtype=torch.float64)
     beta = torch.rand(1, T, 1, dtype=torch.float64)
-    layout = chunk_mod.chunk_layout(1, T, 32, None, None)
-    s1 = chunk_mod.chunk_stage1(*(t.float().to(KDEV) for t in (q, k, g, beta)), 1.0, layout,
-                                None, 1)
+    layout = chunk_map.chunk_layout(1, T, 32, None, None)
+    intra = chunk_intra.in_chunk_tensors(*(t.float().to(KDEV) for t in (q, k, g, beta)), 1.0, layout,
+                                         None, 1)
     c = g[0, :, 0].cumsum(0)
     want = (k[0, 2, 0] * k[0, 1, 0] * (c[2] - c[1]).exp()).sum().item()
-    got = s1.Akk[0, 2, 0, 1].item()
+    got = intra.Akk[0, 2, 0, 1].item()
     assert abs(got - want) <= 1e-5 * abs(want), f"A'[2, 1]: {got:.4e}, want {want:.4e}"
 
 
@@ -710,7 +739,7 @@ def test_launch_rules(monkeypatch, rule):
     (forced by claiming a huge GPU), and K = 256 (32-wide state slices; float32: one pipeline
     stage)."""
     if rule == 'halved_state_slice':
-        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+        patch_chunk(monkeypatch, 'sm_count', lambda device: 10 ** 6)
         check_case(1, 40, 1, 2, 32, 48, chunk_size=32)
     else:
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
@@ -719,7 +748,7 @@ def test_launch_rules(monkeypatch, rule):
 def spy_launches(monkeypatch, name: str, record) -> list:
     """Replaces kernel ``name`` of ``kda.ops.chunk`` with one that still launches it but first
     appends ``record(grid, launch keyword arguments)`` to the list returned here."""
-    seen, kernel = [], getattr(chunk_mod, name)
+    seen, kernel = [], chunk_name(name)
 
     class Spy:
         def __getitem__(self, grid):
@@ -728,7 +757,7 @@ def spy_launches(monkeypatch, name: str, record) -> list:
                 return kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(chunk_mod, name, Spy())
+    patch_chunk(monkeypatch, name, Spy())
     return seen
 
 
@@ -741,7 +770,7 @@ def test_transposed_sweeps(monkeypatch, case):
     FEW_PROGRAMS; with the interpreter's one "SM" they are transposed only for a single program,
     N * HV * value slices = 1): the float64 checks of the matrix case, and the launches seen
     transposed."""
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+    patch_chunk(monkeypatch, 'sm_count', lambda device: 10 ** 6)
     seen = {name: spy_launches(monkeypatch, name, lambda grid, kwargs: kwargs['TRANSPOSED'])
             for name in ('chunk_state_fwd_kernel', 'chunk_state_bwd_kernel')}
     check_matrix_case(*next((s, o) for i, s, o in MATRIX if i == case))
@@ -758,24 +787,24 @@ def test_forward_segments(monkeypatch):
     cpu = torch.device('cpu')
 
     def segments(B, T, HV, few=True, varlen=False, store=False, V=128):
-        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6 if few else 1)
-        layout = chunk_mod.chunk_layout(B, T, 64, None, None)
-        return chunk_mod.forward_segments(B, T, HV, 128, V, layout, torch.zeros(2) if varlen else None,
+        patch_chunk(monkeypatch, 'sm_count', lambda device: 10 ** 6 if few else 1)
+        layout = chunk_map.chunk_layout(B, T, 64, None, None)
+        return chunk_schedule.forward_segments(B, T, HV, 128, V, layout, torch.zeros(2) if varlen else None,
                                           store, cpu)
 
     assert segments(1, 16384, 32) is not None and segments(1, 8192, 32) is None
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     for T, HV in ((32768, 32), (32768, 64), (65536, 16), (32769, 32), (200, 4), (129, 40), (65, 1),
                   *((T, HV) for T in (257, 300, 320, 1000, 8191) for HV in (4, 20, 21, 40))):
         seg = segments(1, T, HV)
         assert seg[0][0] == 0 and seg[-1][1] == T, seg
-        assert len(seg) == min(chunk_mod.FORWARD_SEGMENTS, -(-T // 64)), seg
+        assert len(seg) == min(chunk_schedule.FORWARD_SEGMENTS, -(-T // 64)), seg
         assert all(a[1] == b[0] for a, b in zip(seg, seg[1:])), seg
         assert all(t0 % 64 == 0 and t1 > t0 for t0, t1 in seg), seg
         lengths = [t1 - t0 for t0, t1 in seg[:-1]]
         assert lengths == sorted(lengths, reverse=True), seg
-        if T % (64 * chunk_mod.FORWARD_SEGMENTS) == 0 and T >= 4096:
-            assert (max(lengths) == min(lengths)) == (HV <= chunk_mod.SEGMENT_BALANCE), seg
+        if T % (64 * chunk_schedule.FORWARD_SEGMENTS) == 0 and T >= 4096:
+            assert (max(lengths) == min(lengths)) == (HV <= chunk_schedule.SEGMENT_BALANCE), seg
     assert segments(1, 64, 4) is None                  # one chunk
     assert segments(2, 4096, 4) is None                # a segment would not be a contiguous view
     assert segments(1, 4096, 4, varlen=True) is None
@@ -783,11 +812,11 @@ def test_forward_segments(monkeypatch):
     assert segments(1, 4096, 4, few=False) is None     # the sweep fills the GPU
     # Between one program for every two SMs and two an SM: BUSY_SWEEP_SEGMENTS (64-wide slices:
     # 2 programs a head; 132 SMs as on the H200).
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 132)
-    layout = chunk_mod.chunk_layout(1, 8192, 64, None, None)
-    busy = chunk_mod.BUSY_SWEEP_SEGMENTS
+    patch_chunk(monkeypatch, 'sm_count', lambda device: 132)
+    layout = chunk_map.chunk_layout(1, 8192, 64, None, None)
+    busy = chunk_schedule.BUSY_SWEEP_SEGMENTS
     for HV, count in ((32, 4), (33, 4), (34, busy), (96, busy), (131, busy), (132, None)):
-        seg = chunk_mod.forward_segments(1, 8192, HV, 128, 128, layout, None, False, cpu)
+        seg = chunk_schedule.forward_segments(1, 8192, HV, 128, 128, layout, None, False, cpu)
         assert (None if seg is None else len(seg)) == count, (HV, seg)
 
 
@@ -814,18 +843,18 @@ def test_segmented_forward(monkeypatch, case):
                     dt_bias=(0.1 * torch.randn(4 * 32)).to(KDEV), safe_gate=True, lower_bound=-5.0,
                     use_beta_sigmoid_in_kernel=True)
     busy = 'busy' in case
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 4 if busy else 10 ** 6)
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'sm_count', lambda device: 4 if busy else 10 ** 6)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     x = make_inputs(1, T, 2, 4, 32, 48, dtype=dtype, device=KDEV)
     h0 = make_state(1, 4, 32, 48, state_v_first=vfirst, device=KDEV) if with_h0 else None
     seen, cumsums, matrices = [], [], []
-    segments = chunk_mod.forward_segments
-    monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: seen.append(segments(*a)) or seen[-1])
-    cumsum, rest = chunk_mod.stage1_cumsum, chunk_mod.stage1_matrices
-    monkeypatch.setattr(chunk_mod, 'stage1_cumsum',
-                        lambda q, *a, decayed: cumsums.append((q.shape[1], decayed)) or cumsum(q, *a, decayed=decayed))
-    monkeypatch.setattr(chunk_mod, 'stage1_matrices',
-                        lambda q, *a, **kw: matrices.append((q.shape[1], a[-1])) or rest(q, *a, **kw))
+    segments = chunk_schedule.forward_segments
+    patch_chunk(monkeypatch, 'forward_segments', lambda *a: seen.append(segments(*a)) or seen[-1])
+    cumsum, rest = chunk_intra.cumulative_decay, chunk_intra.pair_products_and_solve
+    patch_chunk(monkeypatch, 'cumulative_decay',
+                lambda q, *a, decayed: cumsums.append((q.shape[1], decayed)) or cumsum(q, *a, decayed=decayed))
+    patch_chunk(monkeypatch, 'pair_products_and_solve',
+                lambda q, *a, **kw: matrices.append((q.shape[1], a[-1])) or rest(q, *a, **kw))
 
     def run():
         if not final:
@@ -841,14 +870,14 @@ def test_segmented_forward(monkeypatch, case):
         return [o, ht] + [t.grad for t in (*leaves.values(), state) if t is not None]
 
     got = run()
-    assert chunk_mod.busy_sweep(4, 32, 48, KDEV) == busy
+    assert chunk_schedule.busy_sweep(4, 32, 48, KDEV) == busy
     assert seen[-1] is not None and len(seen[-1]) == min(3 if busy else 4, -(-T // BT)), seen
     # The forward's cumsum: once over the whole sequence first with a busy sweep, else one a
     # segment; the pair products and the solve one a segment (the backward's recompute: whole).
     lengths = [t1 - t0 for t0, t1 in seen[-1]]
     assert [n for n, decayed in cumsums if not decayed] == ([T] if busy else lengths), cumsums
     assert matrices == [(n, 'inference' in case) for n in lengths], matrices
-    monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
+    patch_chunk(monkeypatch, 'forward_segments', lambda *a: None)
     for name, a, b in zip(['o', 'ht', *x, 'h0'], got, run()):
         assert torch.equal(a, b), name
 
@@ -905,7 +934,7 @@ def test_gate_param_grad_sums(present, BN):
     sums; the outputs start as NaN, so an entry left unwritten fails."""
     from kda.kernels.chunk_intra_bwd import gate_param_grad_kernel
     C, HV, K, NK = 150, 3, 60, 3
-    cfg = chunk_mod.launch_config('gate_params', K, K)
+    cfg = chunk_launch.launch_config('gate_params', K, K)
     if BN != 'tuned':
         cfg['BN'] = BN
     da, dbias = torch.randn(C, HV, NK), torch.randn(C, HV, K)
@@ -925,15 +954,15 @@ def test_chunk_layout_varlen(monkeypatch, dtype):
     the sweeps' start order, most chunks first with ties in sequence order. A wrong order is not
     caught by the numerical tests when it is a permutation (every sequence still runs), so the
     order itself is pinned here."""
-    monkeypatch.setattr(chunk_mod, '_last_varlen_layout', None)   # built from this dtype
+    patch_chunk(monkeypatch, '_last_varlen_layout', None)   # built from this dtype
     offsets = [0, 70, 70, 71, 200, 264]          # lengths 70, 0, 1, 129, 64 -> chunks 2, 0, 1, 3, 1
-    layout = chunk_mod.chunk_layout(1, 264, 64, offsets, torch.tensor(offsets, dtype=dtype).to(KDEV))
+    layout = chunk_map.chunk_layout(1, 264, 64, offsets, torch.tensor(offsets, dtype=dtype).to(KDEV))
     assert (layout.BT, layout.NT, layout.total) == (64, 0, 7)
     assert layout.rows.tolist() == [[0, 64], [64, 6], [70, 1], [71, 64], [135, 64], [199, 1], [200, 64]]
     assert layout.offsets.tolist() == [0, 2, 2, 3, 6, 7]
     assert layout.order.tolist() == [3, 0, 2, 4, 1]
     assert all(t.dtype == torch.int32 for t in (layout.rows, layout.offsets, layout.order))
-    fixed = chunk_mod.chunk_layout(2, 130, 64, None, None)
+    fixed = chunk_map.chunk_layout(2, 130, 64, None, None)
     assert (fixed.NT, fixed.total, fixed.rows, fixed.order) == (3, 6, None, None)
 
 
@@ -943,14 +972,14 @@ def test_chunk_layout_reused():
     depends on the values only) give the map of what was asked."""
     offsets = [0, 70, 70, 71, 200, 264]
     cu = torch.tensor(offsets, dtype=torch.int32).to(KDEV)
-    first = chunk_mod.chunk_layout(1, 264, 64, offsets, cu)
-    assert chunk_mod.chunk_layout(1, 264, 64, list(offsets), cu.clone()) is first
+    first = chunk_map.chunk_layout(1, 264, 64, offsets, cu)
+    assert chunk_map.chunk_layout(1, 264, 64, list(offsets), cu.clone()) is first
     moved = [0, 70, 71, 72, 200, 264]
     cu.copy_(torch.tensor(moved, dtype=torch.int32))
-    layout = chunk_mod.chunk_layout(1, 264, 64, moved, cu)
+    layout = chunk_map.chunk_layout(1, 264, 64, moved, cu)
     assert layout.rows.tolist() == [[0, 64], [64, 6], [70, 1], [71, 1], [72, 64], [136, 64], [200, 64]]
     assert layout.offsets.tolist() == [0, 2, 3, 4, 6, 7]
-    other = chunk_mod.chunk_layout(1, 264, 32, moved, cu)
+    other = chunk_map.chunk_layout(1, 264, 32, moved, cu)
     assert other.BT == 32 and other.total == 11 and other.rows[:3].tolist() == [[0, 32], [32, 32], [64, 6]]
 
 
@@ -961,10 +990,10 @@ def test_state_sweep_stages(monkeypatch, dtype):
     faulted on the H200 so, see state_launch_config); float32 never more than 2, and 1 at K = 256
     (shared memory)."""
     for few in (False, True):
-        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6 if few else 1)
+        patch_chunk(monkeypatch, 'sm_count', lambda device: 10 ** 6 if few else 1)
         for K in (16, 64, 128, 256):
             for stage in ('state_fwd', 'state_bwd', 'state_output'):
-                cfg = chunk_mod.state_launch_config(stage, K, 128, 4, torch.device('cpu'), dtype)
+                cfg = chunk_launch.state_launch_config(stage, K, 128, 4, torch.device('cpu'), dtype)
                 stages = cfg.get('num_stages', 2)
                 what = f"{stage} K={K} few={few} {dtype}: {cfg}"
                 assert cfg['BK'] >= K and cfg['BV'] <= (32 if K > 128 else 128), what
@@ -980,11 +1009,11 @@ def test_fused_sweep_slices(monkeypatch):
     programs as SMs and V needs more than one; TUNING's setting in float32, at V <= 64 and at
     K = 256 (32-wide there); FEW_PROGRAMS' with fewer programs than SMs. The backward's sweeps
     never take WIDE_SLICES."""
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 132)
+    patch_chunk(monkeypatch, 'sm_count', lambda device: 132)
     cpu = torch.device('cpu')
 
     def cfg(stage='state_output', K=128, V=128, heads=128, dtype=torch.bfloat16):
-        c = chunk_mod.state_launch_config(stage, K, V, heads, cpu, dtype)
+        c = chunk_launch.state_launch_config(stage, K, V, heads, cpu, dtype)
         return c['BV'], c['num_warps'], c.get('num_stages', 2)
 
     wide = (128, 8, 2)
@@ -1009,7 +1038,7 @@ def test_fused_sweep_wide_slice(monkeypatch, V):
     padded; two for V = 160, the second 32 columns wide), in float16 inference against the
     float64 oracle with the bound of the low-precision tests; the claimed single SM makes the
     launcher pick it on the GPU too."""
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 1)
+    patch_chunk(monkeypatch, 'sm_count', lambda device: 1)
     seen = spy_launches(monkeypatch, 'chunk_state_output_fwd_kernel',
                         lambda grid, kwargs: (grid, kwargs['BV'], kwargs['num_warps']))
     check_lowp(torch.float16, None, 2, 70, 1, 2, 16, V, chunk_size=64, grads=False)
@@ -1018,18 +1047,18 @@ def test_fused_sweep_wide_slice(monkeypatch, V):
 
 @requires_kernels
 def test_kernels_read_float32_beta(monkeypatch):
-    """A 16-bit beta reaches the forward's kernels (``stage1_matrices``: the solve, and the sweep
+    """A 16-bit beta reaches the forward's kernels (``pair_products_and_solve``: the solve, and the sweep
     that reads the same tensor) and the backward's launcher (``chunk_kda_bwd``) as a float32
     copy, in training and in inference, strided or not (the state sweeps prefetch a per-row load
     only from 4 bytes a thread, ``chunk_kda``); its gradient keeps beta's dtype (``run_chunk``),
     and the results stay within the float64 bound of the low-precision tests."""
     seen = []
     # (q, k, beta, ...) and (q, k, v, g, beta, ...)
-    for name, i in (('stage1_matrices', 2), ('chunk_kda_bwd', 4)):
-        def spy(*args, _f=getattr(chunk_mod, name), _n=name, _i=i, **kwargs):
+    for name, i in (('pair_products_and_solve', 2), ('chunk_kda_bwd', 4)):
+        def spy(*args, _f=chunk_name(name), _n=name, _i=i, **kwargs):
             seen.append((_n, args[_i].dtype, args[_i].is_contiguous()))
             return _f(*args, **kwargs)
-        monkeypatch.setattr(chunk_mod, name, spy)
+        patch_chunk(monkeypatch, name, spy)
     check_lowp(torch.float16, None, 2, 70, 1, 2, 32, 32, chunk_size=64, grads=True)
     x = {n: t.to(KDEV) for n, t in make_inputs(2, 70, 1, 2, 32, 32, dtype=torch.float16).items()}
     with torch.no_grad():
@@ -1038,8 +1067,8 @@ def test_kernels_read_float32_beta(monkeypatch):
         o_strided = chunk_kda(**x)[0]
     assert not x['beta'].is_contiguous()
     assert torch.equal(o, o_strided)
-    assert seen == [('stage1_matrices', torch.float32, True), ('chunk_kda_bwd', torch.float32, True)] + \
-        [('stage1_matrices', torch.float32, True)] * 2, seen
+    assert seen == [('pair_products_and_solve', torch.float32, True), ('chunk_kda_bwd', torch.float32, True)] + \
+        [('pair_products_and_solve', torch.float32, True)] * 2, seen
 
 
 # Compiles every chunk kernel for sm_90 at the launch configuration the launchers give it, in float32
@@ -1051,7 +1080,7 @@ def test_kernels_read_float32_beta(monkeypatch):
 # (g pre-computed in float32, the float32 scratch buffers, the states handed to the user).
 SHARED_MEMORY_SCRIPT = r"""
 import concurrent.futures, inspect, json, multiprocessing, os, re, torch
-import kda.ops.chunk as chunk_mod
+import kda.ops.chunk.launch as chunk_launch
 from kda.kernels import chunk_common, chunk_intra, chunk_intra_bwd, chunk_state, chunk_state_bwd, chunk_state_output
 from kda.ops.offline import OPTIONAL, POINTERS, compile_sm90
 KERNELS = {'cumsum': chunk_intra.chunk_cumsum_kernel, 'cumsum_raw': chunk_intra.chunk_cumsum_kernel,
@@ -1079,21 +1108,21 @@ RAW_GATE = ('gate_bwd_raw', 'cumsum_raw', 'cumsum_raw_decayed')
 
 
 def compile_shared(stage, dtype, K, few, transposed):
-    chunk_mod.sm_count = lambda device: 10 ** 6 if few else 1
+    chunk_launch.sm_count = lambda device: 10 ** 6 if few else 1
     fn = KERNELS[stage]
     varlen, stage = stage.endswith('_varlen'), stage.removesuffix('_varlen')
     if stage.startswith('state_'):
-        cfg = chunk_mod.state_launch_config(stage, K, K, 4, torch.device('cpu'), dtype)
+        cfg = chunk_launch.state_launch_config(stage, K, K, 4, torch.device('cpu'), dtype)
     else:
-        cfg = chunk_mod.launch_config(stage.removesuffix('_near'), K, K)
-    values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_mod.DOT_DTYPES[dtype], IS_VARLEN=varlen,
+        cfg = chunk_launch.launch_config(stage.removesuffix('_near'), K, K)
+    values = dict(H=4, HV=4, K=K, V=K, BT=64, BC=16, DOT_DTYPE=chunk_launch.DOT_DTYPES[dtype], IS_VARLEN=varlen,
                   SLICES_INNERMOST=cfg.get('SLICES_INNERMOST', False),
                   GATE='sigmoid' if stage in RAW_GATE else 'none',
                   DECAYED=stage not in ('cumsum', 'cumsum_raw'),
                   FACTORED_DIAG=dtype != torch.float16, BOUNDED_DECAY=stage == 'pair_bwd_bounded',
                   ALL_NEAR=stage.endswith('_near'), L2NORM=stage.startswith('pair_fwd_norms'),
                   # As launched: early (the waits) only the l2norm inference's pair products and
-                  # solve; the cumsum releases its dependents always (kda/ops/chunk.py).
+                  # solve; the cumsum releases its dependents always (kda/ops/chunk/launch.py).
                   PDL=stage.startswith(('cumsum', 'pair_fwd_norms', 'solve')),
                   USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=True, USE_FINAL_STATE_GRADIENT=False,
                   STORE_INITIAL_STATE_GRADIENT=False, TRANSPOSED=transposed,
@@ -1191,7 +1220,7 @@ def row(case):
 
 
 # The fused forward sweep runs transposed always; the carry and the gradient sweep either way with
-# many programs (transposed up to 1.5 waves, kda.ops.chunk.transposed_sweeps), transposed with few.
+# many programs (transposed up to 1.5 waves, kda.ops.chunk.launch.transposed_sweeps), transposed with few.
 cases = [('pair_fwd', torch.float16, 128, False, False), ('pair_fwd_norms', torch.float16, 128, False, False)]
 for dtype in (torch.float32, torch.bfloat16):
     for stage in KERNELS:
@@ -1256,9 +1285,9 @@ def test_float32_products_are_exact():
 
 
 def test_dependent_launch_order():
-    """Stage 1's kernels as compiled for sm_90 (PDL on, ``kda/ops/chunk.py``, ``stage1_matrices``):
-    the pair products and the solve of the inference forward with l2norm in the kernel, which
-    may start before the kernel ahead of them has finished, write nothing to global memory
+    """The in-chunk kernels as compiled for sm_90 (PDL on, ``kda/ops/chunk/intra.py``,
+    ``pair_products_and_solve``): the pair products and the solve of the inference forward with
+    l2norm in the kernel, which may start before the kernel ahead of them has finished, write nothing to global memory
     before their griddepcontrol.wait and read nothing before it but, in the L2NORM build, their
     own q and k rows for the norms and, in the varlen builds, the chunk map (by source line;
     cp.async, TMA and atomics count); the wait is in no loop or branch; each releases its
@@ -1306,10 +1335,10 @@ def test_dependent_launch_chain(monkeypatch, case):
     import triton.runtime.interpreter as interpreter
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    monkeypatch.setattr(chunk_mod, 'dependent_launch', lambda device: True)
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 4 if 'busy' in case else 10 ** 6)
-    ours = {getattr(chunk_mod, n) for n in dir(chunk_mod) if n.endswith('_kernel')}
+    patch_chunk(monkeypatch, 'dependent_launch', lambda device: True)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'sm_count', lambda device: 4 if 'busy' in case else 10 ** 6)
+    ours = {vars(m)[n] for m in CHUNK_MODULES for n in vars(m) if n.endswith('_kernel')}
     seen, where = [], {'side': False, 'inside': False}
 
     class Side:                               # the side stream kda.ops.utils.fork hands out
@@ -1350,8 +1379,8 @@ def test_dependent_launch_chain(monkeypatch, case):
                 seen.append((name, where['side'], {}))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(chunk_mod, 'fork', fork)
-    monkeypatch.setattr(chunk_mod, 'join', join)
+    patch_chunk(monkeypatch, 'fork', fork)
+    patch_chunk(monkeypatch, 'join', join)
     monkeypatch.setattr(torch.cuda, 'stream', stream)
     monkeypatch.setattr(interpreter.InterpretedFunction, 'run', spy)
 
@@ -1378,13 +1407,13 @@ def test_dependent_launch_chain(monkeypatch, case):
     launches = [(n, kw) for n, _, kw in seen if n.endswith('_kernel')]
     # Early only in inference with l2norm in the kernel, where the pair products form the norms
     # before their wait; elsewhere they have nothing to do before it (and in training, early,
-    # they cost 0.17 ms a step at one shape on the H200: kda/ops/chunk.py, dependent_launch).
+    # they cost 0.17 ms a step at one shape on the H200: kda/ops/chunk/launch.py, dependent_launch).
     l2norm = opts['use_qk_l2norm_in_kernel']
     early = [n for n, _ in launches if n in STAGE1_KERNELS[1:]] if inference and l2norm else []
     assert [n for n, kw in launches if kw.get('launch_pdl')] == early, launches
     assert all(kw.get('PDL') is (n == STAGE1_KERNELS[0] or inference and l2norm)
                for n, kw in launches if n in STAGE1_KERNELS), launches
-    segments = chunk_mod.forward_segments(B, T, 4, 32, 48, chunk_mod.chunk_layout(B, T, 32, None, None),
+    segments = chunk_schedule.forward_segments(B, T, 4, 32, 48, chunk_map.chunk_layout(B, T, 32, None, None),
                                           opts.get('cu_seqlens'), varlen, torch.device('cpu'))
     assert (segments is not None) == case.endswith(('segmented', 'busy', 'keep')), segments
     assert sum(n == 'chunk_pair_fwd_kernel' for n, _ in launches) == len(segments or [0]), launches
@@ -1427,7 +1456,7 @@ def test_all_near_pair_products(monkeypatch, inference):
     the general build where both may run: the gate saturated at -5 a step over whole chunks
     (span 75 in a 16-row block, FAR_SPAN 76), fresh raw gates elsewhere. Outputs, the final state
     and (training) every gradient compared with the fallback forced back in."""
-    real = chunk_mod.chunk_pair_fwd_kernel
+    real = chunk_intra.chunk_pair_fwd_kernel
     seen, force = [], {}
 
     class Spy:
@@ -1437,7 +1466,7 @@ def test_all_near_pair_products(monkeypatch, inference):
                 return real[grid](*args, **{**kw, **force})
             return launch
 
-    monkeypatch.setattr(chunk_mod, 'chunk_pair_fwd_kernel', Spy())
+    patch_chunk(monkeypatch, 'chunk_pair_fwd_kernel', Spy())
     B, T, H, HV, K, V = 1, 80, 1, 2, 32, 48
     x = make_inputs(B, T, H, HV, K, V, normalize_k=False)
     x['g'] = torch.randn(B, T, HV, K)
@@ -1535,7 +1564,7 @@ def test_low_precision(dtype, gate_dtype, grads):
 @pytest.mark.parametrize('K,V', [(16, 32), (32, 64)])
 def test_low_precision_head_dims(dtype, K, V):
     """Gradients at head dims whose tiles differ between K and V: on the H200, bf16 K = 16 with
-    V = 32 faulted in the per-chunk gradient kernel (non-square tiles, kda/ops/chunk.py). Two
+    V = 32 faulted in the per-chunk gradient kernel (non-square tiles, kda/ops/chunk/launch.py). Two
     pairs only: each compiles every chunk kernel anew, ~100 s a case on the GPU host with the
     suite's other shards beside it (four pairs took the final suite past its limit)."""
     check_lowp(dtype, torch.float32, 1, 70, 1, 2, K, V, chunk_size=64, grads=True)
@@ -1950,9 +1979,9 @@ def no_compute(monkeypatch):
     def must_not_run(*a, **kw):
         raise AssertionError("computation started on invalid input")
 
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_fwd', must_not_run)
-    monkeypatch.setattr(chunk_mod, 'chunk_kda_reference', must_not_run)
-    monkeypatch.setattr(chunk_mod.ChunkKDAFunction, 'apply', must_not_run)
+    patch_chunk(monkeypatch, 'chunk_kda_fwd', must_not_run)
+    patch_chunk(monkeypatch, 'chunk_kda_reference', must_not_run)
+    monkeypatch.setattr(chunk_function.ChunkKDAFunction, 'apply', must_not_run)
 
 
 @pytest.mark.parametrize('chunk_size', [16, 128, 48, 0, -64, True, 64.0, '64', None])
@@ -2156,7 +2185,7 @@ def test_cuda_backward_on_a_user_stream():
         (o.float().square().sum() + ht.square().sum()).backward()
         return [t.grad.clone() for t in (*leaves.values(), state)]
 
-    assert chunk_mod.transposed_sweeps(1, 2, 64, 64, torch.device('cuda'), torch.bfloat16)
+    assert chunk_launch.transposed_sweeps(1, 2, 64, 64, torch.device('cuda'), torch.bfloat16)
     expected = grads()
     for a, b in zip(on_a_user_stream(grads), expected):
         assert torch.equal(a, b)
@@ -2171,10 +2200,10 @@ def test_cuda_segmented_forward_on_a_user_stream(monkeypatch, busy):
     caller's whose memory is reused right after. (Segmented at this length, which the launcher
     leaves whole, SEGMENT_MIN_TOKEN_HEADS.) 'busy': 12 SMs claimed, which the sweep's 8 programs
     leave busy: the cumsum over the whole sequence first, then 3 segments."""
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     if busy:
-        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 12)
-    assert chunk_mod.busy_sweep(4, 128, 128, torch.device('cuda')) == busy
+        patch_chunk(monkeypatch, 'sm_count', lambda device: 12)
+    assert chunk_schedule.busy_sweep(4, 128, 128, torch.device('cuda')) == busy
     x = make_inputs(1, 3000, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda')
     h0 = make_state(1, 4, 128, 128, device='cuda')
 
@@ -2182,11 +2211,11 @@ def test_cuda_segmented_forward_on_a_user_stream(monkeypatch, busy):
         with torch.no_grad():
             return chunk_kda(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-    layout = chunk_mod.chunk_layout(1, 3000, 64, None, None)
-    assert chunk_mod.forward_segments(1, 3000, 4, 128, 128, layout, None, False,
+    layout = chunk_map.chunk_layout(1, 3000, 64, None, None)
+    assert chunk_schedule.forward_segments(1, 3000, 4, 128, 128, layout, None, False,
                                       torch.device('cuda')) is not None
     got = on_a_user_stream(forward)
-    monkeypatch.setattr(chunk_mod, 'forward_segments', lambda *a: None)
+    patch_chunk(monkeypatch, 'forward_segments', lambda *a: None)
     for a, b in zip(got, forward()):
         assert torch.equal(a, b)
 
@@ -2199,13 +2228,13 @@ def test_cuda_graph_capture(monkeypatch, mode):
     stream. Captured in a CUDA graph (a forward under no_grad, or a whole forward + backward) and
     replayed after new inputs are copied in, the results equal the eager ones bit for bit.
     'busy': 12 SMs claimed (``busy_sweep``: the cumsum over the whole sequence first)."""
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     if mode.endswith('busy'):
-        monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 12)
+        patch_chunk(monkeypatch, 'sm_count', lambda device: 12)
         mode = mode.removesuffix('-busy')
     T, H, K, V = 1500, 4, 128, 128
-    layout = chunk_mod.chunk_layout(1, T, 64, None, None)
-    assert chunk_mod.forward_segments(1, T, H, K, V, layout, None, False, torch.device('cuda')) is not None
+    layout = chunk_map.chunk_layout(1, T, 64, None, None)
+    assert chunk_schedule.forward_segments(1, T, H, K, V, layout, None, False, torch.device('cuda')) is not None
     x = make_inputs(1, T, H, H, K, V, dtype=torch.bfloat16, device='cuda')
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     state = make_state(1, H, K, V, device='cuda').requires_grad_()
@@ -2253,10 +2282,10 @@ def test_cuda_graph_capture_creates_the_side_stream(monkeypatch):
     earlier call of this shape used a side stream (the cached stream is dropped before the
     capture). The replay, after new inputs are copied in, equals eager bit for bit."""
     from kda.ops import utils
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     B, T, H, K, V = 2, 300, 4, 64, 64
-    layout = chunk_mod.chunk_layout(B, T, 64, None, None)
-    assert chunk_mod.forward_segments(B, T, H, K, V, layout, None, False, torch.device('cuda')) is None
+    layout = chunk_map.chunk_layout(B, T, 64, None, None)
+    assert chunk_schedule.forward_segments(B, T, H, K, V, layout, None, False, torch.device('cuda')) is None
     x = make_inputs(B, T, H, H, K, V, dtype=torch.bfloat16, device='cuda', normalize_k=False)
     x['beta'] = torch.randn(B, T, H, dtype=torch.bfloat16, device='cuda')      # logits
 
@@ -2416,7 +2445,7 @@ def test_cuda_tensors_on_a_device_not_current(monkeypatch):
     time segments, forced, so with the norms and the sweeps on a side stream) and its forward +
     backward, and a fused_recurrent_kda step, give on cuda:1 the bits they give on cuda:0, and
     leave cuda:0 current."""
-    monkeypatch.setattr(chunk_mod, 'SEGMENT_MIN_TOKEN_HEADS', 0)
+    patch_chunk(monkeypatch, 'SEGMENT_MIN_TOKEN_HEADS', 0)
     x0 = make_inputs(1, 300, 4, 4, 128, 128, dtype=torch.bfloat16, device='cuda:0', normalize_k=False)
     h0 = make_state(1, 4, 128, 128, device='cuda:0')
 

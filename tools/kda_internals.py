@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import contextlib
 
-from kda.ops import chunk as CHUNK_MODULE
 from kda.ops import fused_recurrent as RECURRENT_MODULE
+from kda.ops.chunk import forward as CHUNK_MODULE
+from kda.ops.chunk.launch import DOT_DTYPES
+from kda.ops.chunk.layout import chunk_layout
+from kda.ops.chunk.schedule import segment_bounds
+from kda.ops.chunk.tuning import FEW_PROGRAMS, TUNING, WIDE_SLICES
 
-DOT_DTYPES = CHUNK_MODULE.DOT_DTYPES
-TUNING = CHUNK_MODULE.TUNING
-FEW_PROGRAMS = CHUNK_MODULE.FEW_PROGRAMS
-WIDE_SLICES = CHUNK_MODULE.WIDE_SLICES
 DECODE_TUNING = RECURRENT_MODULE.DECODE_TUNING
-chunk_layout = CHUNK_MODULE.chunk_layout
-segment_bounds = CHUNK_MODULE.segment_bounds
 LAUNCH_TABLES = {'TUNING': TUNING, 'FEW_PROGRAMS': FEW_PROGRAMS, 'WIDE_SLICES': WIDE_SLICES}
 
 

@@ -1,5 +1,5 @@
 """A chunk kernel compiled for the H100/H200 (sm_90) without a GPU, with the argument types its
-launch in ``kda/ops/chunk.py`` gives it.
+launch in ``kda/ops/chunk/`` gives it.
 
 Triton compiles one build per signature (pointer dtypes, which optional arguments are None, the
 constexpr values), so a tool that reads a kernel's shared memory, registers or machine code must

@@ -1,0 +1,133 @@
+"""``chunk_kda``, the public entry: validation, then the PyTorch reference path (CPU without the
+interpreter, bf16 in the interpreter), the inference forward (``forward.chunk_kda_fwd``) or the
+autograd Function (``function.ChunkKDAFunction``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kda.ops.chunk.forward import chunk_kda_fwd
+from kda.ops.chunk.function import ChunkKDAFunction
+from kda.ops.chunk.layout import chunk_layout
+from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
+from kda.ops.utils import INTERPRET, contiguous, on_q_device, use_kernels
+from kda.ops.validation import (
+    _expect_bool,
+    validate_activations,
+    validate_chunk_size,
+    validate_inputs,
+)
+from kda.reference import chunk_kda_reference
+
+
+@on_q_device
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state_v_first: bool = False,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+):
+    """KDA by the chunkwise-parallel WY/UT algorithm: training and prefill.
+
+    Same contract as ``fused_recurrent_kda`` (docs/API.md): q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+    g ``[B, T, HV, K]`` (log-decay, <= 0), beta ``[B, T, HV]``, float32 states ``[N, HV, K, V]``
+    (``[N, HV, V, K]`` with ``state_v_first``). Differentiable in q, k, v, g, beta, the initial
+    state (and A_log, dt_bias with the in-kernel gate), including gradients arriving through the
+    final state. A log-decay above 0 (outside the contract) or NaN makes the outputs of its chunk
+    and of everything after it NaN for that head; it is never clamped into a plausible answer.
+    ``cu_seqlens_cpu``, when given, must hold ``cu_seqlens``' values: the chunk map is sized from it
+    without reading a device ``cu_seqlens`` back (that would cost a sync), so there a mismatch is
+    not detected; a ``cu_seqlens`` on the CPU is read and must agree.
+
+    Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``
+    (inference only): ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]``
+    (``[1, total chunks, HV, K, V]`` with ``cu_seqlens``).
+    """
+    problem, offsets = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                       cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu)
+    validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
+                         safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    validate_chunk_size(chunk_size)
+    _expect_bool('disable_recompute', disable_recompute)
+    _expect_bool('return_intermediate_states', return_intermediate_states)
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    if return_intermediate_states and needs_grad:
+        raise ValueError("return_intermediate_states=True is for inference only; call it under "
+                         "torch.no_grad() or with inputs that do not require grad")
+
+    # Not bf16 in Triton's interpreter: its tl.dot multiplies bf16 operands' raw bit patterns
+    # (triton-lang/triton#11584), and the kernels' answer is finite garbage there (relative error
+    # ~3e11 against the reference at (1, 64, 1, 1, 16, 16)); the PyTorch path serves those calls.
+    if not use_kernels(q) or (INTERPRET and q.dtype == torch.bfloat16):
+        if use_beta_sigmoid_in_kernel:
+            beta = activate_beta(beta, allow_neg_eigval)
+        if use_gate_in_kernel:
+            g = activate_gate(g, A_log, dt_bias, lower_bound)
+        return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
+                                   use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size,
+                                   return_intermediate_states)
+    # The kernels read beta in float32 (a [B, T, HV] copy, which training keeps for the backward:
+    # 4 bytes a token-head, 1 / K of q's float32 size; test_saved_for_backward): the state
+    # sweeps load it a row at a time in their chunk loop, and Triton (3.6) prefetches a load
+    # (asynchronous copy) only from 4 bytes a thread, so a 16-bit beta stalled every chunk step on
+    # its load. H200, bf16 forward with g pre-computed: -0.03 to -0.07 ms at (1, 32768, 32),
+    # (1, 8192, 96), (4, 8192, 32) and the varlen batch, 0 at (8, 4096, 16) (one 128-wide sweep
+    # program an SM there too: why it lost nothing is not known). The Kimi configuration's
+    # activated beta was float32 already. One copy, contiguous, whatever beta's strides: in
+    # training here, through autograd; in inference inside chunk_kda_fwd, off the head of its
+    # chain (``prepare_beta``).
+    inference = return_intermediate_states or not needs_grad
+    if not inference:
+        if use_beta_sigmoid_in_kernel:
+            beta = activate_beta(beta, allow_neg_eigval)
+        beta = beta.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
+    q, k, v, g, initial_state, cu_seqlens = contiguous(q, k, v, g, initial_state, cu_seqlens)
+    layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
+    # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
+    # ops it took five float32 passes over [B, T, HV, K] each way (H200, (8, 4096, 16), Kimi
+    # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
+    gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
+    if inference:
+        # A float32, contiguous beta that is not logits is what the kernels read, as it is.
+        ready = (not use_beta_sigmoid_in_kernel and beta.dtype == torch.float32
+                 and beta.is_contiguous())
+        # Inference: nothing is kept for a backward, so q and k are not normalized in a pass of
+        # their own: the pair products normalize the rows they read, in float32 (outputs
+        # differ from the training forward's in the last bits: it rounds the normalized rows
+        # to the input dtype, and sums each row's squares in another order).
+        o, final_state, _, h = chunk_kda_fwd(
+            q, k, v, g, beta, problem.scale, initial_state, output_final_state, state_v_first,
+            cu_seqlens, layout, gate, store_states=return_intermediate_states,
+            l2norm=use_qk_l2norm_in_kernel,
+            prepare_beta=None if ready else functools.partial(
+                kernel_beta, sigmoid=use_beta_sigmoid_in_kernel, neg_eigval=allow_neg_eigval))
+        if not return_intermediate_states:
+            return o, final_state
+        h = h.view(problem.B, layout.NT, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
+        return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, problem.scale, initial_state,
+                                  output_final_state, state_v_first, cu_seqlens, layout,
+                                  use_qk_l2norm_in_kernel, gate and gate.kind,
+                                  gate and gate.lower_bound, disable_recompute)
