@@ -54,7 +54,7 @@ def path(request, monkeypatch):
 
 
 def softplus_gate(raw, A_log, dt_bias):
-    """API.md's gate without a lower bound, in raw's dtype (the oracle's, float64)."""
+    """docs/API.md's gate without a lower bound, in raw's dtype (the oracle's, float64)."""
     return -A_log.exp()[:, None] * F.softplus(raw + dt_bias.view(HV, K))
 
 
