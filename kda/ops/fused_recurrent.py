@@ -7,7 +7,7 @@ from torch.autograd.graph import increment_version
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
 from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.utils import cdiv, contiguous, next_pow2, on_q_device, state_strides, use_kernels
-from kda.ops.validation import (_expect_shape, _expect_tensor, _expect_bool,
+from kda.ops.validation import (_expect_shape, _expect_tensor, _expect_bool, resolve_state_v_first,
                                 validate_activations, validate_inputs, validate_state)
 from kda.reference import naive_recurrent_kda
 
@@ -94,6 +94,12 @@ def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     return o, (ht if output_final_state else None)
 
 
+# A float where A_log or dt_bias belong is most likely a scale passed by position: FLA's order
+# (kept here) puts A_log and dt_bias 6th and 7th, scale 8th.
+POSITIONAL_HINT = (" (fused_recurrent_kda's 6th and 7th positional arguments are A_log and dt_bias, "
+                   "scale is the 8th, as in FLA: pass scale=... by keyword)")
+
+
 # Value columns per program and warps. 32 columns: a 128 x 32 float32 state tile is 32 registers
 # a thread at 4 warps, and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at
 # H = 32). benchmarks/sweep_decode.py edits this in place to time alternatives.
@@ -125,6 +131,7 @@ def fused_recurrent_kda(
     inplace_final_state: bool = False,
     ssm_state_indices: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    transpose_state_layout: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA by the token-by-token recurrence: the decode step (T = 1) and short prefills.
 
@@ -137,6 +144,12 @@ def fused_recurrent_kda(
             log-decay (or the raw gate with ``use_gate_in_kernel``), <= 0: a log-decay > 0 or NaN
             at token t makes that head's outputs NaN from t on and its final state NaN.
             beta: ``[B, T, HV]``.
+        A_log, dt_bias: the in-kernel gate's parameters, any shape of HV (``A_log``) or
+            ``HV * K`` (``dt_bias``) elements, 6th and 7th by position as in FLA (so ``scale``
+            comes 8th: pass it by keyword). Without ``use_gate_in_kernel`` they and
+            ``lower_bound`` are ignored with a warning, as FLA ignores them.
+        transpose_state_layout: FLA's deprecated name of ``state_v_first`` (taken with a
+            ``DeprecationWarning``; an error beside ``state_v_first=True``).
         initial_state: float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); with
             ``ssm_state_indices`` a pool ``[P, HV, K, V]`` of which sequence n uses slot
             ``ssm_state_indices[n]`` (a slot outside the pool gives NaN outputs and no write).
@@ -149,11 +162,14 @@ def fused_recurrent_kda(
     Returns ``(o, final_state)``; ``final_state`` is None unless ``output_final_state``. There is no
     backward pass: a backward through ``o`` raises (train with ``chunk_kda``).
     """
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
     problem, _ = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
                                  check_state=False)
-    validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
-                         safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    params = validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
+                                  safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                  positional_hint=POSITIONAL_HINT)
+    A_log, dt_bias, lower_bound = params.A_log, params.dt_bias, params.lower_bound
     _validate_serving(problem, q, initial_state, output_final_state, state_v_first,
                       inplace_final_state, ssm_state_indices, out)
     if not use_kernels(q):

@@ -2,11 +2,18 @@
 
 Each malformed call raises ``TypeError`` (not a tensor, wrong dtype) or ``ValueError`` (shape,
 length, head grouping, cu_seqlens, option combination) whose message names the argument, what it
-got and what it expects. Nothing is reshaped here: the launchers receive exactly what the user gave.
+got and what it expects. The only reshapes are of the gate parameters (``GateParameters``): any
+tensor of ``HV`` elements is ``A_log`` and any of ``HV * K`` is ``dt_bias``, viewed flat.
+
+flash-linear-attention's ``fla.ops.kda`` also takes arguments that change nothing here or are
+spelled differently; the helpers at the end give each its meaning there: a deprecated alias of
+``state_v_first``, gate parameters it ignores without the in-kernel gate (ignored here too, with
+a warning), and options of its distributed and graph modes (refused: not supported yet).
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +22,9 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 CHUNK_SIZES = (32, 64)
 FLOAT32_MAX = torch.finfo(torch.float32).max
+# warnings.warn's stacklevel from a helper here to the user's line: helper, public function, the
+# ``on_q_device`` wrapper, caller.
+CALLER_STACKLEVEL = 4
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,13 @@ def _expect_dtype(name: str, x: torch.Tensor, allowed: tuple) -> None:
 def _expect_bool(name: str, x) -> None:
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def _gate_dtypes(q_dtype: torch.dtype) -> str:
+    """The dtypes g and beta may have, in words: q's, or float32 (once where q's is float32)."""
+    if q_dtype == torch.float32:
+        return "dtype float32 (q's)"
+    return f"q's dtype {_dtype_name(q_dtype)} or float32"
 
 
 def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
@@ -152,8 +169,7 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
             raise TypeError(f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(x.dtype)}")
     for name, x in (('g', g), ('beta', beta)):
         if x.dtype not in (q.dtype, torch.float32):
-            raise TypeError(f"{name} must have q's dtype {_dtype_name(q.dtype)} or float32, "
-                            f"got {_dtype_name(x.dtype)}")
+            raise TypeError(f"{name} must have {_gate_dtypes(q.dtype)}, got {_dtype_name(x.dtype)}")
     device = q.device
     for name, x in (('k', k), ('v', v), ('g', g), ('beta', beta)):
         if x.device != device:
@@ -177,47 +193,137 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
 
 
 def validate_chunk_size(chunk_size) -> int:
+    # The message keeps FLA's words ("`chunk_size` must be either 32 or 64"), which its callers'
+    # tests match.
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+        raise ValueError(f"`chunk_size` must be either 32 or 64 (the chunk lengths the kernels are "
+                         f"built for), got {chunk_size!r}")
     return chunk_size
 
 
+@dataclass(frozen=True)
+class GateParameters:
+    """The in-kernel gate's inputs as the launchers take them: ``A_log`` ``[HV]`` and ``dt_bias``
+    ``[HV * K]`` (views of the caller's tensors where their strides allow), ``lower_bound``; all
+    None without the in-kernel gate."""
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    lower_bound: float | None
+
+
+NO_GATE = GateParameters(None, None, None)
+
+
+def _expect_gate_tensor(name: str, x, positional_hint: str) -> None:
+    if x is not None and not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}{positional_hint}")
+
+
+def _flat_parameter(name: str, x: torch.Tensor, numel: int, meaning: str, device: torch.device) -> torch.Tensor:
+    """``x`` as a 1-D tensor of ``numel`` elements: any shape holding them is taken (FLA takes
+    ``A_log`` as ``[1, 1, HV, 1]``), viewed without a copy where its strides allow."""
+    if x.numel() != numel:
+        raise ValueError(f"{name} must hold {meaning} = {numel} elements (shape [{numel}], or any shape "
+                         f"of {numel} elements such as [1, 1, {numel}, 1]), got shape {list(x.shape)}")
+    _expect_dtype(name, x, (torch.float32,))
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {x.device}")
+    return x.reshape(numel)
+
+
 def validate_activations(HV: int, K: int, device: torch.device, use_gate_in_kernel, A_log, dt_bias,
-                         safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval) -> None:
-    """Checks the in-kernel gate and beta options of docs/API.md and the combinations they allow."""
+                         safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                         positional_hint: str = '') -> GateParameters:
+    """Checks the in-kernel gate and beta options of docs/API.md and the combinations they allow, and
+    returns the gate's parameters as the launchers take them.
+
+    Without the in-kernel gate, ``A_log``, ``dt_bias`` and ``lower_bound`` are ignored, as FLA
+    ignores them, with a warning; ``lower_bound`` beside ``safe_gate=True`` is the bound the caller
+    promises g keeps, and is ignored silently (the kernels are exact for any g <= 0).
+    ``positional_hint`` ends the message of a non-tensor ``A_log`` or ``dt_bias`` (a scale passed
+    by position lands there in ``fused_recurrent_kda``).
+    """
     for name, x in (('use_gate_in_kernel', use_gate_in_kernel), ('safe_gate', safe_gate),
                     ('use_beta_sigmoid_in_kernel', use_beta_sigmoid_in_kernel),
                     ('allow_neg_eigval', allow_neg_eigval)):
         _expect_bool(name, x)
+    _expect_gate_tensor('A_log', A_log, positional_hint)
+    _expect_gate_tensor('dt_bias', dt_bias, positional_hint)
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
                          "(beta becomes 2 * sigmoid(beta))")
     if not use_gate_in_kernel:
-        for name, x in (('A_log', A_log), ('dt_bias', dt_bias), ('lower_bound', lower_bound)):
-            if x is not None:
-                raise ValueError(f"{name} was given but use_gate_in_kernel=False; it would be ignored")
-        # safe_gate=True with g given: the caller's promise that g is bounded, which FLA accepts
-        # (it picks a faster path on it). The kernels here are exact for any g <= 0, so it
-        # changes nothing; refusing it would break model code that passes it.
-        return
+        ignored = [name for name, x in (('A_log', A_log), ('dt_bias', dt_bias)) if x is not None]
+        if lower_bound is not None and not safe_gate:
+            ignored.append('lower_bound')
+        if ignored:
+            warnings.warn(f"{', '.join(ignored)} given with use_gate_in_kernel=False: ignored, as g is "
+                          f"taken as the log-decay itself (pass use_gate_in_kernel=True to activate a raw g)",
+                          UserWarning, stacklevel=CALLER_STACKLEVEL)
+        return NO_GATE
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
         if not -5 <= lower_bound < 0:
             raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
     elif A_log is None:
         raise ValueError("use_gate_in_kernel=True needs A_log (or lower_bound with A_log optional)")
     if safe_gate and lower_bound is None:
         raise ValueError("safe_gate=True requires lower_bound (the bound it promises)")
-    if A_log is not None:
-        _expect_tensor('A_log', A_log)
-        _expect_shape('A_log', A_log, (HV,), '[HV]')
-        _expect_dtype('A_log', A_log, (torch.float32,))
-        if A_log.device != device:
-            raise ValueError(f"A_log must be on {device} like q, got {A_log.device}")
-    if dt_bias is not None:
-        _expect_tensor('dt_bias', dt_bias)
-        _expect_shape('dt_bias', dt_bias, (HV * K,), '[HV * K]')
-        _expect_dtype('dt_bias', dt_bias, (torch.float32,))
-        if dt_bias.device != device:
-            raise ValueError(f"dt_bias must be on {device} like q, got {dt_bias.device}")
+    return GateParameters(
+        A_log=None if A_log is None else _flat_parameter('A_log', A_log, HV, 'HV', device),
+        dt_bias=None if dt_bias is None else _flat_parameter('dt_bias', dt_bias, HV * K, 'HV * K', device),
+        lower_bound=None if lower_bound is None else float(lower_bound))
+
+
+def resolve_state_v_first(state_v_first, transpose_state_layout) -> bool:
+    """``transpose_state_layout``, FLA's deprecated name of ``state_v_first``: None when not
+    given; given, it is taken with a ``DeprecationWarning``, and beside ``state_v_first=True`` it
+    is an error (which one was meant cannot be told)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    _expect_bool('transpose_state_layout', transpose_state_layout)
+    if state_v_first is True:
+        raise ValueError("transpose_state_layout (the deprecated name of state_v_first) was given "
+                         "beside state_v_first=True; pass state_v_first alone")
+    warnings.warn("transpose_state_layout is deprecated; it is the old name of state_v_first",
+                  DeprecationWarning, stacklevel=CALLER_STACKLEVEL)
+    return transpose_state_layout
+
+
+def refuse_unsupported(use_graph, max_num_seqs) -> None:
+    """FLA's CUDA-graph varlen options: accepted at their defaults only."""
+    _expect_bool('use_graph', use_graph)
+    if use_graph:
+        raise ValueError("use_graph=True (a fixed-shape varlen chunk map for CUDA-graph capture) is "
+                         "not supported yet; expected False")
+    if max_num_seqs is not None:
+        raise ValueError(f"max_num_seqs (the sequence bound of use_graph) is not supported yet; "
+                         f"got {max_num_seqs!r}, expected None")
+
+
+def warn_if_head_first(problem: Problem) -> None:
+    """Warns where q ``[B, T, H, K]`` has fewer tokens than heads, the mark of a head-first
+    ``[B, H, T, K]`` tensor passed where a sequence-first one belongs (it would run, on the
+    wrong axes). The shapes are legal, so a warning only."""
+    if 0 < problem.T < problem.H:
+        warnings.warn(f"q has T = {problem.T} tokens but H = {problem.H} heads: if it is head-first "
+                      f"[B, H, T, K], transpose it to [B, T, H, K] (the layout every input takes)",
+                      UserWarning, stacklevel=CALLER_STACKLEVEL)
+
+
+def validate_states_dtype(intermediate_states_dtype) -> None:
+    """``intermediate_states_dtype`` of ``chunk_kda``: None (q's dtype, as FLA returns them) or a
+    dtype the states may be returned in."""
+    if intermediate_states_dtype is not None and intermediate_states_dtype not in INPUT_DTYPES:
+        raise TypeError(f"intermediate_states_dtype must be None (q's dtype) or one of "
+                        f"({', '.join(_dtype_name(d) for d in INPUT_DTYPES)}), got {intermediate_states_dtype!r}")
+
+
+def cast_intermediate_states(result: tuple, intermediate_states_dtype) -> tuple:
+    """``(o, final_state, h)`` with ``h`` (computed in float32) in ``intermediate_states_dtype``,
+    or in o's dtype, which is q's, where that is None; other results pass through."""
+    if len(result) != 3:
+        return result
+    o, final_state, h = result
+    return o, final_state, h.to(intermediate_states_dtype or o.dtype)

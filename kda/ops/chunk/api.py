@@ -15,9 +15,14 @@ from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
 from kda.ops.utils import INTERPRET, contiguous, on_q_device, use_kernels
 from kda.ops.validation import (
     _expect_bool,
+    cast_intermediate_states,
+    refuse_unsupported,
+    resolve_state_v_first,
     validate_activations,
     validate_chunk_size,
     validate_inputs,
+    validate_states_dtype,
+    warn_if_head_first,
 )
 from kda.reference import chunk_kda_reference
 
@@ -47,6 +52,11 @@ def chunk_kda(
     state_v_first: bool = False,
     disable_recompute: bool = False,
     return_intermediate_states: bool = False,
+    intermediate_states_dtype: torch.dtype | None = None,
+    transpose_state_layout: bool | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
 ):
     """KDA by the chunkwise-parallel WY/UT algorithm: training and prefill.
 
@@ -60,15 +70,42 @@ def chunk_kda(
     without reading a device ``cu_seqlens`` back (that would cost a sync), so there a mismatch is
     not detected; a ``cu_seqlens`` on the CPU is read and must agree.
 
+    ``A_log`` may have any shape of HV elements (e.g. ``[1, 1, HV, 1]``) and ``dt_bias`` any of
+    ``HV * K``. Without ``use_gate_in_kernel`` they and ``lower_bound`` are ignored with a warning
+    (``lower_bound`` silently beside ``safe_gate=True``: the bound g is promised to keep). A q with
+    fewer tokens than heads warns (a head-first ``[B, H, T, K]`` passed by mistake?).
+
     Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``
     (inference only): ``h`` holds the state entering every chunk, ``[B, NT, HV, K, V]``
-    (``[1, total chunks, HV, K, V]`` with ``cu_seqlens``).
+    (``[1, total chunks, HV, K, V]`` with ``cu_seqlens``), in q's dtype as FLA returns it, or in
+    ``intermediate_states_dtype`` where given (``torch.float32``: the states as computed).
+
+    FLA's other arguments: ``transpose_state_layout``, its deprecated name of ``state_v_first``
+    (taken with a ``DeprecationWarning``); ``cp_context`` (from ``kda.cp.build_cp_context``) runs
+    the call context-parallel (docs/cp.md); ``use_graph`` and ``max_num_seqs`` (CUDA-graph varlen)
+    are not supported yet and must keep their defaults.
     """
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
+    refuse_unsupported(use_graph, max_num_seqs)
+    if cp_context is not None:
+        from kda.cp.chunk import chunk_kda_cp       # kda.cp imports this module
+        validate_states_dtype(intermediate_states_dtype)
+        return chunk_kda_cp(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cp_context=cp_context,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+            state_v_first=state_v_first, disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states)
+    validate_states_dtype(intermediate_states_dtype)
     problem, offsets = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
                                        cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu)
-    validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
-                         safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    params = validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
+                                  safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    A_log, dt_bias, lower_bound = params.A_log, params.dt_bias, params.lower_bound
     validate_chunk_size(chunk_size)
+    warn_if_head_first(problem)
     _expect_bool('disable_recompute', disable_recompute)
     _expect_bool('return_intermediate_states', return_intermediate_states)
     needs_grad = torch.is_grad_enabled() and any(
@@ -85,9 +122,9 @@ def chunk_kda(
             beta = activate_beta(beta, allow_neg_eigval)
         if use_gate_in_kernel:
             g = activate_gate(g, A_log, dt_bias, lower_bound)
-        return chunk_kda_reference(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
-                                   use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size,
-                                   return_intermediate_states)
+        return cast_intermediate_states(chunk_kda_reference(
+            q, k, v, g, beta, problem.scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            cu_seqlens, state_v_first, chunk_size, return_intermediate_states), intermediate_states_dtype)
     # The kernels read beta in float32 (a [B, T, HV] copy, which training keeps for the backward:
     # 4 bytes a token-head, 1 / K of q's float32 size; test_saved_for_backward): the state
     # sweeps load it a row at a time in their chunk loop, and Triton (3.6) prefetches a load
@@ -126,7 +163,8 @@ def chunk_kda(
         if not return_intermediate_states:
             return o, final_state
         h = h.view(problem.B, layout.NT, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
-        return o, final_state, (h.transpose(-1, -2) if state_v_first else h)
+        return cast_intermediate_states((o, final_state, h.transpose(-1, -2) if state_v_first else h),
+                                        intermediate_states_dtype)
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, problem.scale, initial_state,
                                   output_final_state, state_v_first, cu_seqlens, layout,
                                   use_qk_l2norm_in_kernel, gate and gate.kind,
