@@ -21,12 +21,6 @@ B, T, H, HV, K, V = 2, 40, 2, 4, 16, 8
 FUNCTIONS = {'chunk_kda': chunk_kda, 'fused_recurrent_kda': fused_recurrent_kda}
 
 
-@pytest.fixture(autouse=True)
-def cpu_torch_path(monkeypatch):
-    """The PyTorch path whatever the environment says (the interpreter is not needed here)."""
-    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
-
-
 def inputs(dtype=torch.float32, **over):
     x = make_inputs(B, T, H, HV, K, V, dtype=dtype)
     x.update(over)
