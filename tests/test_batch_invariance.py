@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kda.ops.chunk as chunk_mod
+import kda.ops.chunk.launch as launch_mod
+import kda.ops.chunk.schedule as schedule_mod
 from kda import chunk_kda, fused_recurrent_kda
 from kda.ops.utils import INTERPRET
 from conftest import HAS_CUDA, make_cu_seqlens, make_inputs, make_state
@@ -52,6 +53,12 @@ BETA_LOGITS_ON_CPU = pytest.mark.skipif(
                          "which chunk_kda's beta logits go through")
 K, V = 16, 48          # V = 48: two 32-wide value slices where the launcher halves them
 
+
+
+def _set_sm_count(monkeypatch, count: int) -> None:
+    """The launch policy and the time-segment schedule both read the GPU's SM count."""
+    for mod in (launch_mod, schedule_mod):
+        monkeypatch.setattr(mod, 'sm_count', lambda device: count)
 
 def _sequence(T: int, H: int, HV: int, opts: dict) -> dict:
     """One sequence's inputs ``[1, T, ...]`` (raw q, k and gate logits where the options take them)."""
@@ -141,7 +148,7 @@ def test_chunk_batch_invariance(monkeypatch, config):
     batch) must agree too."""
     H, HV, opts, with_h0, chunk_size = CONFIGS[config]
     # Every batch under the choices of a one-SM GPU (many programs for it), as in the interpreter.
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 1)
+    _set_sm_count(monkeypatch, 1)
     params = _gate_params(HV, opts)
     x = _sequence(SEQ_LEN, H, HV, opts)
     others = [_sequence(T, H, HV, opts) for T in (20, 0, 33, SEQ_LEN)]
@@ -164,7 +171,7 @@ def test_chunk_batch_invariance(monkeypatch, config):
     for what, ((batch, n), skip) in cases.items():
         _assert_same_bits(_run_chunk(batch, n, params, opts, chunk_size), alone, what, skip)
     # Alone on a GPU it leaves idle: FEW_PROGRAMS, halved value slices, transposed backward sweeps.
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+    _set_sm_count(monkeypatch, 10 ** 6)
     (batch, n), _ = cases['alone, varlen']
     _assert_same_bits(_run_chunk(batch, n, params, opts, chunk_size), alone, 'alone, many SMs', gate_grads)
 
