@@ -32,6 +32,7 @@ from kda.kernels.chunk_intra_bwd import (
     chunk_pair_bwd_kernel,
     gate_param_grad_kernel,
 )
+from kda.kernels.chunk_prep import chunk_prep_fwd_kernel
 from kda.kernels.chunk_state import chunk_state_fwd_kernel
 from kda.kernels.chunk_state_bwd import chunk_state_bwd_kernel
 from kda.kernels.chunk_state_output import chunk_state_output_fwd_kernel
@@ -82,6 +83,12 @@ KERNELS = {
                                                   DOT_DTYPE=tl.float16),
                       dict(dtype=torch.float16), [(1, 3, None)]),
     'solve': (chunk_solve_kernel, {}, {}, [(2, 2, None), (1, 2, None), (4, 2, None)]),
+    # The in-chunk stage in one kernel (FUSED_PREP), the Kimi inference build: raw gate, l2norm
+    # in the kernel, no far key entries.
+    'prep_kimi': (chunk_prep_fwd_kernel, dict(BK=32, GATE='sigmoid', FACTORED_DIAG=True, ALL_NEAR=True,
+                                              L2NORM=True), gated, [(1, 2, None), (1, 3, None), (2, 2, None)]),
+    'prep': (chunk_prep_fwd_kernel, dict(BK=32, GATE='none', FACTORED_DIAG=True, ALL_NEAR=False, L2NORM=False),
+             {}, [(1, 2, None)]),
     'intra_bwd': (chunk_intra_bwd_kernel, dict(BK=64, BV=64), {}, [(8, 1, None), (4, 1, None)]),
     'pair_bwd': (chunk_pair_bwd_kernel, dict(BK=64, BOUNDED_DECAY=False), {}, [(4, 2, 128), (4, 2, 168), (4, 2, None)]),
     'pair_bwd_bounded': (chunk_pair_bwd_kernel, dict(BK=64, BOUNDED_DECAY=True), {},

@@ -24,7 +24,9 @@ from kda.ops.chunk.intra import (
     pair_products_and_solve,
 )
 from kda.ops.chunk.launch import head_dims, state_launch_config, sweep_grid
+from kda.ops.chunk import tuning
 from kda.ops.chunk.layout import ChunkLayout, chunk_layout
+from kda.ops.chunk.prep import fused_in_chunk_stage
 from kda.ops.chunk.schedule import SEGMENT_MIN_TOKEN_HEADS, busy_sweep, forward_segments
 from kda.ops.gate import KernelGate, bounded_decay
 from kda.ops.utils import fork, join, state_strides
@@ -98,12 +100,16 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             with torch.cuda.stream(side):
                 prepare_beta(beta, raw_beta)
         if segments is None:
-            cumulative_decay(q, k, g, scale, layout, gate, HV, intra, decayed=False)
-            join(side)
-            pair_products_and_solve(q, k, beta, scale, layout, HV, intra, l2norm, all_near=all_near)
+            if tuning.FUSED_PREP:
+                join(side)
+                fused_in_chunk_stage(q, k, g, beta, scale, layout, gate, HV, intra, l2norm, all_near)
+            else:
+                cumulative_decay(q, k, g, scale, layout, gate, HV, intra, decayed=False)
+                join(side)
+                pair_products_and_solve(q, k, beta, scale, layout, HV, intra, l2norm, all_near=all_near)
             sweep(intra, slice(0, T), layout, initial_state, final_state)
             return ForwardOutputs(o, final_state, intra, h)
-        cumsum_first = busy_sweep(HV, K, V, dev)
+        cumsum_first = busy_sweep(HV, K, V, dev) and not tuning.FUSED_PREP
         if cumsum_first:
             # The cumulative decay of every segment first, alone: beside a sweep the raw gate's
             # build slowed most. With few sweep programs the sweeps set the time and must start
@@ -114,13 +120,19 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
             part = slice(t0, t1)
             part_layout = chunk_layout(B, t1 - t0, layout.BT, None, None)
             intra_part = intra.tokens(part)
-            if not cumsum_first:
-                cumulative_decay(q[:, part], k[:, part], g[:, part], scale, part_layout, gate, HV,
-                                 intra_part, decayed=False)
-            if i == 0:
-                join(side)
-            pair_products_and_solve(q[:, part], k[:, part], beta[:, part], scale, part_layout, HV,
-                                    intra_part, l2norm, all_near=all_near)
+            if tuning.FUSED_PREP:
+                if i == 0:
+                    join(side)
+                fused_in_chunk_stage(q[:, part], k[:, part], g[:, part], beta[:, part], scale,
+                                     part_layout, gate, HV, intra_part, l2norm, all_near)
+            else:
+                if not cumsum_first:
+                    cumulative_decay(q[:, part], k[:, part], g[:, part], scale, part_layout, gate,
+                                     HV, intra_part, decayed=False)
+                if i == 0:
+                    join(side)
+                pair_products_and_solve(q[:, part], k[:, part], beta[:, part], scale, part_layout,
+                                        HV, intra_part, l2norm, all_near=all_near)
             side = fork(dev)
             with torch.cuda.stream(side):
                 sweep(intra_part, part, part_layout, initial_state if i == 0 else carried,

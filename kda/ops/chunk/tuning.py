@@ -22,6 +22,9 @@ TUNING = {
     'pair_fwd_norms': {'BK': 32, 'num_warps': 1, 'num_stages': 2},
     # Its [16, 16] blocks fill one warp. docs/tuning.md, "solve".
     'solve': {'num_warps': 1},
+    # The in-chunk stage in one kernel (FUSED_PREP): the pair products' and the solve's one warp,
+    # their key slices. Untimed.
+    'prep': {'BK': 32, 'num_warps': 1, 'num_stages': 2},
     # The backward's state carry. docs/tuning.md, "State sweeps".
     'state_fwd': {'BV': 64, 'num_warps': 4, 'num_stages': 2},
     # The forward's fused state sweep and outputs. docs/tuning.md, "State sweeps".
@@ -55,3 +58,7 @@ FEW_PROGRAMS = {'state_fwd': {'BV': 32}, 'state_output': {'BV': 32, 'num_stages'
 # Aqk, M) are read once instead of twice. float32 keeps the 64-wide build: its 128-wide one asks
 # more shared memory than the H200 has. docs/tuning.md, "Wide slices".
 WIDE_SLICES = {'state_output': {'BV': 128, 'num_warps': 8, 'num_stages': 2}}
+
+# The forward's in-chunk stage in one launch a (chunk, value head) (``prep.fused_in_chunk_stage``)
+# instead of the cumsum, pair products and solve: the same bits. Off until timed on a GPU.
+FUSED_PREP = False
