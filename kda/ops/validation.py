@@ -418,3 +418,41 @@ def validate_num_accepted(num_accepted_tokens, N: int, columns: int, device: tor
         if low < 1 or high > columns:
             raise ValueError(f"num_accepted_tokens must lie in [1, {columns}] (T_idx, the columns of "
                              f"ssm_state_indices), got values in [{low}, {high}]")
+
+
+def validate_pool_prefill(problem: Problem, device: torch.device, initial_state, state_v_first: bool,
+                          initial_state_indices, has_initial_state, inplace_final_state,
+                          final_state_dtype, needs_grad: bool) -> None:
+    """``chunk_kda``'s serving arguments (docs/API.md, "State pools"): a pool with
+    ``initial_state_indices`` ``[N]``, ``has_initial_state`` ``[N]`` bool, ``inplace_final_state``,
+    ``final_state_dtype``. The pool is written by the kernels: forward only."""
+    _expect_bool('inplace_final_state', inplace_final_state)
+    validate_final_state_dtype(final_state_dtype)
+    if has_initial_state is not None and initial_state_indices is None:
+        raise ValueError("has_initial_state requires initial_state_indices (it says which slots are read)")
+    if initial_state_indices is not None:
+        if not inplace_final_state:
+            raise ValueError("initial_state_indices requires inplace_final_state=True: each sequence "
+                             "reads and writes its slot of the state pool initial_state")
+        if initial_state is None:
+            raise ValueError("initial_state_indices requires initial_state (the state pool [P, HV, K, V])")
+        validate_state_pool('initial_state', initial_state, problem.HV, problem.K, problem.V, state_v_first,
+                            device, 'initial_state_indices')
+        validate_slot_indices('initial_state_indices', initial_state_indices, problem.N, device)
+        if has_initial_state is not None:
+            _expect_tensor('has_initial_state', has_initial_state)
+            if has_initial_state.dtype != torch.bool:
+                raise TypeError(f"has_initial_state must be a bool tensor, got {_dtype_name(has_initial_state.dtype)}")
+            _expect_shape('has_initial_state', has_initial_state, (problem.N,), f'[N] with N = {problem.N} sequences')
+            if has_initial_state.device != device:
+                raise ValueError(f"has_initial_state must be on {device} like q, got {has_initial_state.device}")
+        refuse_shared_slots('initial_state_indices', initial_state_indices)
+    if inplace_final_state:
+        validate_inplace_state(initial_state)
+        if needs_grad:
+            raise ValueError("inplace_final_state=True is forward only (the kernels write the state in "
+                             "place, which autograd cannot record): call under torch.no_grad() or with "
+                             "inputs that do not require grad")
+        if final_state_dtype is not None:
+            raise ValueError("final_state_dtype is for a new final state; with inplace_final_state=True "
+                             "the final state takes initial_state's dtype")
