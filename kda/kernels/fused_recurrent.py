@@ -70,7 +70,8 @@ def fused_recurrent_kda_kernel(
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
-    p_slots = state_indices + i_n.to(tl.int64) * slots_per_seq
+    if USE_STATE_INDICES:
+        p_slots = state_indices + i_n.to(tl.int64) * slots_per_seq
     if SPECULATIVE:
         # The entering state is the one stored after the last accepted token. An accepted count
         # outside [1, T_idx] would read past the row: it counts as a slot outside the pool.
