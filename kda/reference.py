@@ -135,7 +135,8 @@ def naive_recurrent_kda(
     """Token-by-token KDA recurrence; the oracle for every kernel.
 
     Shapes as in docs/API.md: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log-decay);
-    beta ``[B, T, HV]`` (or ``[B, T, HV, V]``, a write strength per value channel); states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+    beta ``[B, T, HV]`` (or ``[B, T, HV, V]``, a write strength per value channel);
+    states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
     Returns ``(o, final_state)``; ``o`` has q's dtype, the final state is float32 (both float64
     for float64 inputs).
     """

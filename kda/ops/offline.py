@@ -25,7 +25,8 @@ OPTIONAL = frozenset({'cu_seqlens', 'chunk_rows', 'chunk_offsets', 'seq_order', 
 # Integer tensors: the chunk map the launcher builds, and cu_seqlens in the caller's dtype (int64 in
 # the README's example and the benchmark).
 INTEGERS = {'cu_seqlens': '*i64', 'chunk_rows': '*i32', 'chunk_offsets': '*i32', 'seq_order': '*i32'}
-SCALARS = {'T': 'i32', 'NT': 'i32', 'num_slots': 'i32', 'C': 'i32', 'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32',
+SCALARS = {'T': 'i32', 'NT': 'i32', 'num_slots': 'i32', 'C': 'i32',
+           'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32',
            'lower_bound': 'fp32'}
 POINTERS = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}
 # Shared memory per block on the H200 (sm_90, opt-in maximum: 227 KiB), as Triton reports it there.
