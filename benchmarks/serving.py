@@ -205,9 +205,10 @@ def pool_drift(steps: int = 4096, B: int = 4, H: int = 2, K: int = 64, V: int = 
                checkpoints=(64, 512, 4096)) -> list[dict]:
     """CPU: ``steps`` decode steps through a bf16 pool and a float32 pool against the float64
     recurrence from the same starting states (the bf16 pool's values). Returns, at each
-    checkpoint, the relative error norms of the states and of that step's outputs.
-    Inputs as the tests draw them: unit keys, log-decays in [-1, -0.01]... except here in
-    [-0.1, -0.001] (slow decays, long memory: the harder case for rounding)."""
+    checkpoint, the relative error norms of the states and of that step's outputs. Unit keys,
+    beta in (0, 1), log-decays in [-0.1, -0.001]: slow decays, a long memory, which forgets
+    earlier roundings slowly (the harder case for a 16-bit state). On the PyTorch path (no
+    ``TRITON_INTERPRET``), which computes and rounds as the kernel does."""
     import torch
 
     from kda import fused_recurrent_kda
