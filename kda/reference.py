@@ -86,7 +86,9 @@ def _recurrent_sequence(q, k, v, g, beta, S):
     for t in range(q.shape[0]):
         S = S * g[t].exp()[..., None]
         pred = torch.einsum('hkv,hk->hv', S, k[t])
-        S = S + torch.einsum('hk,hv->hkv', k[t], beta[t][:, None] * (v[t] - pred))
+        # beta [HV] per head, or [HV, V] per value channel (fused_recurrent_kda's channel beta).
+        strength = beta[t] if beta.dim() == 3 else beta[t][:, None]
+        S = S + torch.einsum('hk,hv->hkv', k[t], strength * (v[t] - pred))
         outs.append(torch.einsum('hkv,hk->hv', S, q[t]))
     o = torch.stack(outs, 0) if outs else q.new_zeros(0, v.shape[1], v.shape[2])
     # Explicit, so that the policy does not rest on 0 * NaN = NaN inside the matrix products.
@@ -133,7 +135,8 @@ def naive_recurrent_kda(
     """Token-by-token KDA recurrence; the oracle for every kernel.
 
     Shapes as in docs/API.md: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log-decay);
-    beta ``[B, T, HV]``; states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+    beta ``[B, T, HV]`` (or ``[B, T, HV, V]``, a write strength per value channel);
+    states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
     Returns ``(o, final_state)``; ``o`` has q's dtype, the final state is float32 (both float64
     for float64 inputs).
     """
@@ -310,3 +313,71 @@ def chunk_kda_reference(
     if state_v_first:
         h = h.transpose(-1, -2)
     return o, ht, h.to(_compute_dtype(q)).contiguous()
+
+
+# ----------------------------------------------------------------------------- state pools
+
+def _slot_rows(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(live, in_pool)`` of a slot tensor: padding (< 0) is not live; a live slot >= P is not in
+    the pool."""
+    return slots >= 0, (slots >= 0) & (slots < num_slots)
+
+
+def _token_sequence(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """The sequence of every token row of the ``[B, T]`` batch, ``[B, T]``."""
+    if cu_seqlens is None:
+        return torch.arange(B, device=device)[:, None].expand(B, T)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)[None]
+
+
+def pooled_kda(fn, q, k, v, g, beta, scale, pool, slots, has_initial_state=None,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False, **kw):
+    """``fn`` (``naive_recurrent_kda`` or ``chunk_kda_reference``) with its states in slots of
+    ``pool``: sequence n starts from ``pool[slots[n]]`` (zeros where ``has_initial_state[n]`` is
+    False) and its final state is written back there, rounded once to the pool's dtype. A negative
+    slot is padding (zero outputs, the pool untouched), a slot >= P gives NaN outputs and touches
+    nothing. Returns the outputs and ``fn``'s results after the final state (``h``, if asked for);
+    the pool is updated in place (docs/API.md, "State pools")."""
+    live, ok = _slot_rows(slots.long(), pool.shape[0])
+    safe = torch.where(ok, slots.long(), 0)
+    h0 = pool[safe].to(_compute_dtype(q))
+    start = ok if has_initial_state is None else ok & has_initial_state
+    h0 = torch.where(start[:, None, None, None], h0, 0)
+    o, ht, *rest = fn(q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, **kw)
+    seq = _token_sequence(q.shape[0], q.shape[1], cu_seqlens, q.device)
+    o = torch.where(ok[seq][..., None, None], o, torch.where(live[seq][..., None, None], torch.nan, 0.)).to(o.dtype)
+    pool[slots.long()[ok]] = ht[ok].to(pool.dtype)
+    return (o, *rest)
+
+
+def speculative_recurrent_kda(q, k, v, g, beta, scale, pool, slots, num_accepted,
+                              use_qk_l2norm_in_kernel=False, cu_seqlens=None, state_v_first=False):
+    """Speculative decoding on ``naive_recurrent_kda``, token by token: sequence n starts from
+    ``pool[slots[n, num_accepted[n] - 1]]`` and the state after its token t is written to
+    ``pool[slots[n, t]]`` (rounded to the pool's dtype). Padding and slots outside the pool as in
+    ``pooled_kda``, per slot read or written (a write slot >= P also makes that token's output
+    NaN); an accepted count outside [1, T_idx] reads as a slot outside the pool. Returns the
+    outputs; the pool is updated in place."""
+    P, columns = pool.shape[0], slots.shape[1]
+    o = torch.zeros_like(v)
+    table, accepted = slots.tolist(), num_accepted.tolist()
+    for n, (b, bos, eos) in enumerate(_sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)):
+        row = table[n]
+        read = row[accepted[n] - 1] if 1 <= accepted[n] <= columns else P
+        if read < 0:
+            continue
+        if read >= P:
+            o[b, bos:eos] = torch.nan
+            continue
+        S = pool[read:read + 1].to(_compute_dtype(q))
+        for t in range(bos, eos):
+            step = [x[b:b + 1, t:t + 1] for x in (q, k, v, g, beta)]
+            o_t, S = naive_recurrent_kda(*step, scale, S, True, use_qk_l2norm_in_kernel, None, state_v_first)
+            write = row[t - bos] if t - bos < columns else -1
+            if write >= P:
+                o_t = torch.full_like(o_t, torch.nan)
+            elif write >= 0:
+                pool[write] = S[0].to(pool.dtype)
+            o[b, t] = o_t[0, 0]
+    return o

@@ -91,6 +91,31 @@ def load_state(s0, i_n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr, V: tl.cons
 
 
 @triton.jit
+def load_slot_state(pool, state_indices, has_initial, num_slots, i_n, i_hv, i_v, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, stride_sk, stride_sv, BK: tl.constexpr,
+                    BV: tl.constexpr, USE_HAS_INITIAL: tl.constexpr):
+    """``load_state`` from slot ``state_indices[i_n]`` of a state pool ``[P, HV, K, V]``: the
+    float32 slice (zeros where ``has_initial[i_n]`` is False), its offsets in the pool, the store
+    mask, and ``(slot_ok, live)``. A negative slot is padding (not ``live``) and a slot >= P is
+    live but not ``slot_ok``: neither reads nor writes any lane (the mask is empty), so no slot
+    value reaches memory outside the pool."""
+    i_s = tl.load(state_indices + i_n).to(tl.int64)
+    live = i_s >= 0
+    slot_ok = live & (i_s < num_slots)
+    o_s, m_v = state_tile(tl.where(slot_ok, i_s, 0), i_hv, i_v, HV, K, V, stride_sk, stride_sv, BK, BV)
+    # The scalar conditions folded into the key bound: the interpreter rejects a block mask
+    # combined with a scalar one.
+    o_k = tl.arange(0, BK)
+    m_s = (o_k < tl.where(slot_ok, K, 0))[:, None] & m_v
+    read = slot_ok
+    if USE_HAS_INITIAL:
+        read = read & (tl.load(has_initial + i_n) != 0)
+    m_r = (o_k < tl.where(read, K, 0))[:, None] & m_v
+    b_s = tl.load(pool + o_s, mask=m_r, other=0.).to(tl.float32)
+    return b_s, o_s, m_s, slot_ok, live
+
+
+@triton.jit
 def load_rows(base, o_r, n_rows, row_stride, col0, n_cols, BC: tl.constexpr):
     """float32 ``[len(o_r), BC]`` tile of the rows listed in ``o_r`` and columns ``col0..``; zero
     outside ``n_rows`` x ``n_cols``."""

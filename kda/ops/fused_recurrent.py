@@ -7,47 +7,47 @@ from torch.autograd.graph import increment_version
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
 from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.utils import cdiv, contiguous, next_pow2, on_q_device, state_strides, use_kernels
-from kda.ops.validation import (_expect_shape, _expect_tensor, _expect_bool, resolve_state_v_first,
-                                validate_activations, validate_inputs, validate_state)
-from kda.reference import naive_recurrent_kda
+from kda.ops.validation import (_expect_shape, _expect_tensor, _expect_bool, refuse_shared_slots,
+                                resolve_state_v_first, validate_activations, validate_final_state_dtype,
+                                validate_inplace_state, validate_inputs, validate_num_accepted,
+                                validate_slot_indices, validate_state, validate_state_pool)
+from kda.reference import naive_recurrent_kda, pooled_kda, speculative_recurrent_kda
 
 
-def _validate_serving(problem, q, initial_state, output_final_state, state_v_first,
-                      inplace_final_state, ssm_state_indices, out):
+def _validate_serving(problem, offsets, q, initial_state, state_v_first, inplace_final_state,
+                      ssm_state_indices, num_accepted_tokens, out, final_state_dtype):
+    """The serving arguments (docs/API.md, "State pools"), all checked before anything runs."""
     _expect_bool('inplace_final_state', inplace_final_state)
+    validate_final_state_dtype(final_state_dtype)
     HV, K, V, N = problem.HV, problem.K, problem.V, problem.N
+    if num_accepted_tokens is not None and ssm_state_indices is None:
+        raise ValueError("num_accepted_tokens (speculative decoding) requires ssm_state_indices [N, T_idx]")
     if ssm_state_indices is not None:
-        _expect_tensor('ssm_state_indices', ssm_state_indices)
-        if ssm_state_indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"ssm_state_indices must be int32 or int64, got {ssm_state_indices.dtype}")
-        _expect_shape('ssm_state_indices', ssm_state_indices, (N,), f'[N] with N = {N} sequences')
-        if ssm_state_indices.device != q.device:
-            raise ValueError(f"ssm_state_indices must be on {q.device} like q, got {ssm_state_indices.device}")
         if not inplace_final_state:
             raise ValueError("ssm_state_indices requires inplace_final_state=True: each sequence "
                              "reads and writes its slot of the state pool initial_state")
         if initial_state is None:
             raise ValueError("ssm_state_indices requires initial_state (the state pool [P, HV, K, V])")
-        _expect_tensor('initial_state', initial_state)
-        slot = (HV, V, K) if state_v_first else (HV, K, V)
-        if initial_state.dim() != 4 or initial_state.shape[0] < 1 or tuple(initial_state.shape[1:]) != slot:
-            layout = '[P, HV, V, K] (state_v_first=True)' if state_v_first else '[P, HV, K, V]'
-            raise ValueError(f"initial_state must be a state pool {layout} = [P, {', '.join(map(str, slot))}] "
-                             f"with P >= 1 slots (ssm_state_indices picks a sequence's slot), "
-                             f"got {list(initial_state.shape)}")
-        validate_state('initial_state', initial_state, initial_state.shape[0], HV, K, V, state_v_first,
-                       q.device)
+        validate_state_pool('initial_state', initial_state, HV, K, V, state_v_first, q.device,
+                            'ssm_state_indices')
+        if num_accepted_tokens is None:
+            if isinstance(ssm_state_indices, torch.Tensor) and ssm_state_indices.dim() == 2:
+                raise ValueError("ssm_state_indices [N, T_idx] (speculative decoding) requires "
+                                 "num_accepted_tokens [N]")
+            validate_slot_indices('ssm_state_indices', ssm_state_indices, N, q.device)
+        else:
+            # Every token of a sequence stores its state: T_idx covers the longest sequence.
+            longest = problem.T if offsets is None else max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+            validate_slot_indices('ssm_state_indices', ssm_state_indices, N, q.device, columns=longest)
+            validate_num_accepted(num_accepted_tokens, N, ssm_state_indices.shape[1], q.device)
+        refuse_shared_slots('ssm_state_indices', ssm_state_indices)
     else:
         validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, q.device)
     if inplace_final_state:
-        if initial_state is None:
-            raise ValueError("inplace_final_state=True requires initial_state (updated in place)")
-        if not initial_state.is_contiguous():
-            raise ValueError("inplace_final_state=True requires a contiguous initial_state")
-        if initial_state.requires_grad and torch.is_grad_enabled():
-            raise ValueError("inplace_final_state=True would overwrite initial_state, which requires grad, "
-                             "in a write autograd cannot record; pass initial_state.detach() or call under "
-                             "torch.no_grad()")
+        validate_inplace_state(initial_state)
+        if final_state_dtype is not None:
+            raise ValueError("final_state_dtype is for a new final state; with inplace_final_state=True "
+                             "the final state takes initial_state's dtype")
     if out is not None:
         _expect_tensor('out', out)
         _expect_shape('out', out, (problem.B, problem.T, HV, V), '[B, T, HV, V]')
@@ -62,35 +62,29 @@ def _validate_serving(problem, q, initial_state, output_final_state, state_v_fir
 
 
 def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                state_v_first, use_qk_l2norm_in_kernel, inplace_final_state, ssm_state_indices, out):
-    """CPU without the interpreter: the float32 reference, with the same serving semantics
-    (including the kernel's: a slot outside the pool gives NaN outputs and writes no state)."""
-    h0, valid = initial_state, None
-    if ssm_state_indices is not None:
-        num_slots = initial_state.shape[0]
-        idx = ssm_state_indices.long()
-        valid = (idx >= 0) & (idx < num_slots)
-        # Bad slots read slot 0 (their results are discarded below); negative indices must not wrap.
-        h0 = initial_state[torch.where(valid, idx, 0)]
-    o, ht = naive_recurrent_kda(q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel,
-                                cu_seqlens, state_v_first)
-    if valid is not None and not bool(valid.all()):
-        o = o.clone()
-        if cu_seqlens is None:
-            o[~valid] = float('nan')
-        else:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-            seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=o.device), lengths)
-            o[0, ~valid[seq_of_token]] = float('nan')
+                state_v_first, use_qk_l2norm_in_kernel, inplace_final_state, ssm_state_indices,
+                num_accepted_tokens, out, final_state_dtype):
+    """CPU without the interpreter: the float32 reference, with the kernel's serving semantics
+    (``kda.reference.pooled_kda`` / ``speculative_recurrent_kda``: the slots gathered, computed
+    and scattered back)."""
+    args = (q, k, v, g, beta, scale, initial_state, ssm_state_indices)
+    opts = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                state_v_first=state_v_first)
+    if num_accepted_tokens is not None:
+        o, ht = speculative_recurrent_kda(*args, num_accepted_tokens, **opts), initial_state
+    elif ssm_state_indices is not None:
+        (o,), ht = pooled_kda(naive_recurrent_kda, *args, **opts), initial_state
+    else:
+        o, ht = naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
+                                    cu_seqlens, state_v_first)
+        if inplace_final_state:
+            initial_state.copy_(ht)
+            ht = initial_state
+        elif final_state_dtype is not None:
+            ht = ht.to(final_state_dtype)
     if out is not None:
         out.copy_(o)
         o = out
-    if inplace_final_state:
-        if ssm_state_indices is None:
-            initial_state.copy_(ht)
-        else:
-            initial_state[idx[valid]] = ht[valid]
-        ht = initial_state
     return o, (ht if output_final_state else None)
 
 
@@ -132,6 +126,8 @@ def fused_recurrent_kda(
     ssm_state_indices: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     transpose_state_layout: bool | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    final_state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA by the token-by-token recurrence: the decode step (T = 1) and short prefills.
 
@@ -143,16 +139,22 @@ def fused_recurrent_kda(
         q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with ``HV % H == 0``. g: ``[B, T, HV, K]``
             log-decay (or the raw gate with ``use_gate_in_kernel``), <= 0: a log-decay > 0 or NaN
             at token t makes that head's outputs NaN from t on and its final state NaN.
-            beta: ``[B, T, HV]``.
+            beta: ``[B, T, HV]``, or ``[B, T, HV, V]`` (a write strength per value channel).
         A_log, dt_bias: the in-kernel gate's parameters, any shape of HV (``A_log``) or
             ``HV * K`` (``dt_bias``) elements, 6th and 7th by position as in FLA (so ``scale``
             comes 8th: pass it by keyword). Without ``use_gate_in_kernel`` they and
             ``lower_bound`` are ignored with a warning, as FLA ignores them.
         transpose_state_layout: FLA's deprecated name of ``state_v_first`` (taken with a
             ``DeprecationWarning``; an error beside ``state_v_first=True``).
-        initial_state: float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); with
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), float32,
+            bfloat16 or float16 (computed in float32, rounded once where stored); with
             ``ssm_state_indices`` a pool ``[P, HV, K, V]`` of which sequence n uses slot
-            ``ssm_state_indices[n]`` (a slot outside the pool gives NaN outputs and no write).
+            ``ssm_state_indices[n]``: a negative slot is padding (zero outputs, the pool untouched),
+            a slot >= P gives NaN outputs and touches nothing.
+        ssm_state_indices, num_accepted_tokens: speculative decoding, ``[N, T_idx]`` and ``[N]``:
+            sequence n starts from slot ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and
+            the state after its token t is stored in slot ``ssm_state_indices[n, t]``.
+        final_state_dtype: the dtype of a new final state (default float32).
         inplace_final_state: write the final state into ``initial_state`` instead of a new tensor
             (which must then not require grad while grad mode is on). Its version counter, and
             ``out``'s, move as a PyTorch in-place op's would.
@@ -163,15 +165,15 @@ def fused_recurrent_kda(
     backward pass: a backward through ``o`` raises (train with ``chunk_kda``).
     """
     state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
-    problem, _ = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                 cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
-                                 check_state=False)
+    problem, offsets = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                       cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
+                                       check_state=False, channel_beta=True)
     params = validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
                                   safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                                   positional_hint=POSITIONAL_HINT)
     A_log, dt_bias, lower_bound = params.A_log, params.dt_bias, params.lower_bound
-    _validate_serving(problem, q, initial_state, output_final_state, state_v_first,
-                      inplace_final_state, ssm_state_indices, out)
+    _validate_serving(problem, offsets, q, initial_state, state_v_first, inplace_final_state,
+                      ssm_state_indices, num_accepted_tokens, out, final_state_dtype)
     if not use_kernels(q):
         if use_gate_in_kernel:
             g = activate_gate(g, A_log, dt_bias, lower_bound)
@@ -179,14 +181,15 @@ def fused_recurrent_kda(
             beta = activate_beta(beta, allow_neg_eigval)
         return _torch_path(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
                            cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, inplace_final_state,
-                           ssm_state_indices, out)
+                           ssm_state_indices, num_accepted_tokens, out, final_state_dtype)
 
     # Tensors of the caller's that the kernel writes, unseen by autograd (see below).
     written = [t for t in (out, initial_state if inplace_final_state else None) if t is not None]
     q, k, v, g, beta = contiguous(q, k, v, g, beta)
     # The kernel reads cu_seqlens[n] and ssm_state_indices[n] at offset n: a strided view (e.g.
     # idx[::2]) must be made dense first (a no-op, so CUDA-graph safe, for dense tensors).
-    cu_seqlens, ssm_state_indices = contiguous(cu_seqlens, ssm_state_indices)
+    cu_seqlens, ssm_state_indices, num_accepted_tokens = contiguous(cu_seqlens, ssm_state_indices,
+                                                                    num_accepted_tokens)
     B, T, H, HV, K, V, N = problem.B, problem.T, problem.H, problem.HV, problem.K, problem.V, problem.N
     if out is None:
         out = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
@@ -195,10 +198,12 @@ def fused_recurrent_kda(
     if inplace_final_state:
         ht = initial_state
     elif output_final_state:
-        ht = q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
+        ht = q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V),
+                         dtype=final_state_dtype or torch.float32)
     else:
         ht = None
     num_slots = initial_state.shape[0] if initial_state is not None else N
+    slots_per_seq = ssm_state_indices.shape[1] if num_accepted_tokens is not None else 1
     stride_sk, stride_sv = state_strides(K, V, state_v_first)
     BK = next_pow2(K)
     BV = min(next_pow2(V), DECODE_TUNING['BV'])
@@ -209,14 +214,17 @@ def fused_recurrent_kda(
 
     def launch():
         fused_recurrent_kda_kernel[grid](
-            q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices,
-            *gate.values(), problem.scale, float(lower_bound or 0.0), T, num_slots, stride_sk, stride_sv,
+            q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+            *gate.values(), problem.scale, float(lower_bound or 0.0), T, num_slots, slots_per_seq,
+            stride_sk, stride_sv,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             USE_L2NORM=use_qk_l2norm_in_kernel,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=ht is not None,
             USE_STATE_INDICES=ssm_state_indices is not None,
+            SPECULATIVE=num_accepted_tokens is not None,
+            CHANNEL_BETA=beta.dim() == 4,
             GATE='none' if not use_gate_in_kernel else 'softplus' if lower_bound is None else 'sigmoid',
             BETA=('none' if not use_beta_sigmoid_in_kernel else 'sigmoid2' if allow_neg_eigval
                   else 'sigmoid'),

@@ -21,11 +21,12 @@ FLOAT32 = frozenset({'g', 'beta', 'gc', 'Akk', 'dAqk', 'dAkk', 'dq', 'dk', 'dg',
                      'h0', 'ht', 'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias', 'dA_log', 'ddt_bias'})
 # Arguments a launch may pass as None (varlen tensors, states, the gate's parameters).
 OPTIONAL = frozenset({'cu_seqlens', 'chunk_rows', 'chunk_offsets', 'seq_order', 'h0', 'ht',
-                      'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias'})
+                      'dht', 'dh0', 'A_log', 'dt_bias', 'da', 'dbias', 'state_indices', 'has_initial'})
 # Integer tensors: the chunk map the launcher builds, and cu_seqlens in the caller's dtype (int64 in
 # the README's example and the benchmark).
 INTEGERS = {'cu_seqlens': '*i64', 'chunk_rows': '*i32', 'chunk_offsets': '*i32', 'seq_order': '*i32'}
-SCALARS = {'T': 'i32', 'NT': 'i32', 'C': 'i32', 'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32',
+SCALARS = {'T': 'i32', 'NT': 'i32', 'num_slots': 'i32', 'C': 'i32',
+           'stride_sk': 'i32', 'stride_sv': 'i32', 'scale': 'fp32',
            'lower_bound': 'fp32'}
 POINTERS = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}
 # Shared memory per block on the H200 (sm_90, opt-in maximum: 227 KiB), as Triton reports it there.
@@ -56,7 +57,11 @@ def launch_signature(fn, values: dict, dtype: torch.dtype, absent=OPTIONAL, poin
     for i, p in enumerate(fn.params):
         if p.is_constexpr or p.name in constants:
             signature[p.name] = 'constexpr'
-            constexprs[p.name] = values[p.name] if p.is_constexpr else constants[p.name]
+            if not p.is_constexpr:
+                constexprs[p.name] = constants[p.name]
+            else:
+                # A constexpr with a default (a build the launchers rarely take) keeps it unless given.
+                constexprs[p.name] = values.get(p.name, p.default) if p.has_default else values[p.name]
         elif p.name in absent:
             signature[p.name], constexprs[p.name] = 'constexpr', None
         else:

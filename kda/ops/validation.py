@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# States (initial states, pools, final states) are computed in float32 and may be stored in 16 bits.
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 CHUNK_SIZES = (32, 64)
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -131,17 +134,19 @@ def validate_state(name: str, state, N: int, HV: int, K: int, V: int, state_v_fi
     expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     layout = '[N, HV, V, K] (state_v_first=True)' if state_v_first else '[N, HV, K, V]'
     _expect_shape(name, state, expected, f"layout {layout} with N = {N} sequences")
-    _expect_dtype(name, state, (torch.float32,))
+    _expect_dtype(name, state, STATE_DTYPES)
     if state.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {state.device}")
 
 
 def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                     state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu=None,
-                    check_state: bool = True) -> tuple[Problem, list[int] | None]:
+                    check_state: bool = True, channel_beta: bool = False) -> tuple[Problem, list[int] | None]:
     """Checks the arguments common to ``chunk_kda`` and ``fused_recurrent_kda``.
 
-    Returns the problem sizes and, for varlen calls, the host copy of ``cu_seqlens``.
+    ``channel_beta``: beta may also be ``[B, T, HV, V]``, one write strength per value column
+    (``fused_recurrent_kda``). Returns the problem sizes and, for varlen calls, the host copy of
+    ``cu_seqlens``.
     """
     for name, x in (('q', q), ('k', k), ('v', v), ('g', g), ('beta', beta)):
         _expect_tensor(name, x)
@@ -159,7 +164,9 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
         raise ValueError(f"v's head count HV = {HV} must be a positive multiple of q's H = {H} "
                          f"(grouped-value attention)")
     _expect_shape('g', g, (B, T, HV, K), '[B, T, HV, K]')
-    _expect_shape('beta', beta, (B, T, HV), '[B, T, HV]')
+    if not (channel_beta and beta.shape == (B, T, HV, V)):
+        _expect_shape('beta', beta, (B, T, HV),
+                      '[B, T, HV], or [B, T, HV, V] per value channel' if channel_beta else '[B, T, HV]')
     for name, dim in (('K (the last dim of q and k)', K), ('V (the last dim of v)', V)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {dim}")
@@ -327,3 +334,125 @@ def cast_intermediate_states(result: tuple, intermediate_states_dtype) -> tuple:
         return result
     o, final_state, h = result
     return o, final_state, h.to(intermediate_states_dtype or o.dtype)
+
+
+# ----------------------------------------------------------------------------- state pools
+
+def validate_final_state_dtype(final_state_dtype) -> None:
+    """``final_state_dtype``: None (float32) or the dtype a new final state is stored in."""
+    if final_state_dtype is not None and final_state_dtype not in STATE_DTYPES:
+        raise TypeError(f"final_state_dtype must be None (float32) or one of "
+                        f"({', '.join(_dtype_name(d) for d in STATE_DTYPES)}), got {final_state_dtype!r}")
+
+
+def validate_inplace_state(initial_state) -> None:
+    """``inplace_final_state=True``: the state (or pool) the final state overwrites."""
+    if initial_state is None:
+        raise ValueError("inplace_final_state=True requires initial_state (updated in place)")
+    if not initial_state.is_contiguous():
+        raise ValueError("inplace_final_state=True requires a contiguous initial_state (a pool's slots "
+                         "are addressed at a stride of HV * K * V elements)")
+    if initial_state.requires_grad and torch.is_grad_enabled():
+        raise ValueError("inplace_final_state=True would overwrite initial_state, which requires grad, "
+                         "in a write autograd cannot record; pass initial_state.detach() or call under "
+                         "torch.no_grad()")
+
+
+def validate_state_pool(name: str, pool, HV: int, K: int, V: int, state_v_first: bool,
+                        device: torch.device, indices_name: str) -> int:
+    """A state pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``), P >= 1, of a
+    state dtype on ``device``; returns P."""
+    _expect_tensor(name, pool)
+    slot = (HV, V, K) if state_v_first else (HV, K, V)
+    if pool.dim() != 4 or pool.shape[0] < 1 or tuple(pool.shape[1:]) != slot:
+        layout = '[P, HV, V, K] (state_v_first=True)' if state_v_first else '[P, HV, K, V]'
+        raise ValueError(f"{name} must be a state pool {layout} = [P, {', '.join(map(str, slot))}] "
+                         f"with P >= 1 slots ({indices_name} picks a sequence's slot), "
+                         f"got {list(pool.shape)}")
+    validate_state(name, pool, pool.shape[0], HV, K, V, state_v_first, device)
+    return pool.shape[0]
+
+
+def validate_slot_indices(name: str, indices, N: int, device: torch.device,
+                          columns: int | None = None) -> None:
+    """Slot indices: an int32/int64 tensor ``[N]`` on ``device``, or ``[N, columns]`` where
+    ``columns`` is given (speculative decoding: at least as many as a sequence's tokens)."""
+    _expect_tensor(name, indices)
+    if indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {_dtype_name(indices.dtype)}")
+    if columns is None:
+        _expect_shape(name, indices, (N,), f'[N] with N = {N} sequences')
+    elif indices.dim() != 2 or indices.shape[0] != N or indices.shape[1] < max(columns, 1):
+        raise ValueError(f"{name} must have shape [N, T_idx] with N = {N} sequences and T_idx >= "
+                         f"{max(columns, 1)} (a slot for the state after each token), got {list(indices.shape)}")
+    if indices.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {indices.device}")
+
+
+def refuse_shared_slots(name: str, indices: torch.Tensor) -> None:
+    """Two sequences writing one slot would race: refused where the indices can be read without
+    a device sync (on the CPU). Negative entries are padding and may repeat."""
+    if indices.device.type != 'cpu':
+        return
+    live = indices[indices >= 0]
+    unique = torch.unique(live)
+    if unique.numel() != live.numel():
+        counts = torch.stack([(live == u).sum() for u in unique])
+        dup = unique[counts > 1].tolist()
+        raise ValueError(f"{name} gives slots {dup} to more than one sequence (or token): each live "
+                         f"slot (>= 0) may appear once")
+
+
+def validate_num_accepted(num_accepted_tokens, N: int, columns: int, device: torch.device) -> None:
+    """``num_accepted_tokens`` ``[N]`` int32/int64 on ``device``; where on the CPU, every entry in
+    [1, columns] (on a GPU a count outside reads as a slot outside the pool: NaN outputs)."""
+    _expect_tensor('num_accepted_tokens', num_accepted_tokens)
+    if num_accepted_tokens.dtype not in INDEX_DTYPES:
+        raise TypeError(f"num_accepted_tokens must be int32 or int64, got "
+                        f"{_dtype_name(num_accepted_tokens.dtype)}")
+    _expect_shape('num_accepted_tokens', num_accepted_tokens, (N,), f'[N] with N = {N} sequences')
+    if num_accepted_tokens.device != device:
+        raise ValueError(f"num_accepted_tokens must be on {device} like q, got {num_accepted_tokens.device}")
+    if device.type == 'cpu' and N > 0:
+        low, high = int(num_accepted_tokens.min()), int(num_accepted_tokens.max())
+        if low < 1 or high > columns:
+            raise ValueError(f"num_accepted_tokens must lie in [1, {columns}] (T_idx, the columns of "
+                             f"ssm_state_indices), got values in [{low}, {high}]")
+
+
+def validate_pool_prefill(problem: Problem, device: torch.device, initial_state, state_v_first: bool,
+                          initial_state_indices, has_initial_state, inplace_final_state,
+                          final_state_dtype, needs_grad: bool) -> None:
+    """``chunk_kda``'s serving arguments (docs/API.md, "State pools"): a pool with
+    ``initial_state_indices`` ``[N]``, ``has_initial_state`` ``[N]`` bool, ``inplace_final_state``,
+    ``final_state_dtype``. The pool is written by the kernels: forward only."""
+    _expect_bool('inplace_final_state', inplace_final_state)
+    validate_final_state_dtype(final_state_dtype)
+    if has_initial_state is not None and initial_state_indices is None:
+        raise ValueError("has_initial_state requires initial_state_indices (it says which slots are read)")
+    if initial_state_indices is not None:
+        if not inplace_final_state:
+            raise ValueError("initial_state_indices requires inplace_final_state=True: each sequence "
+                             "reads and writes its slot of the state pool initial_state")
+        if initial_state is None:
+            raise ValueError("initial_state_indices requires initial_state (the state pool [P, HV, K, V])")
+        validate_state_pool('initial_state', initial_state, problem.HV, problem.K, problem.V, state_v_first,
+                            device, 'initial_state_indices')
+        validate_slot_indices('initial_state_indices', initial_state_indices, problem.N, device)
+        if has_initial_state is not None:
+            _expect_tensor('has_initial_state', has_initial_state)
+            if has_initial_state.dtype != torch.bool:
+                raise TypeError(f"has_initial_state must be a bool tensor, got {_dtype_name(has_initial_state.dtype)}")
+            _expect_shape('has_initial_state', has_initial_state, (problem.N,), f'[N] with N = {problem.N} sequences')
+            if has_initial_state.device != device:
+                raise ValueError(f"has_initial_state must be on {device} like q, got {has_initial_state.device}")
+        refuse_shared_slots('initial_state_indices', initial_state_indices)
+    if inplace_final_state:
+        validate_inplace_state(initial_state)
+        if needs_grad:
+            raise ValueError("inplace_final_state=True is forward only (the kernels write the state in "
+                             "place, which autograd cannot record): call under torch.no_grad() or with "
+                             "inputs that do not require grad")
+        if final_state_dtype is not None:
+            raise ValueError("final_state_dtype is for a new final state; with inplace_final_state=True "
+                             "the final state takes initial_state's dtype")

@@ -8,7 +8,9 @@ import functools
 
 import torch
 
-from kda.ops.chunk.forward import chunk_kda_fwd
+from torch.autograd.graph import increment_version
+
+from kda.ops.chunk.forward import StateSlots, chunk_kda_fwd
 from kda.ops.chunk.function import ChunkKDAFunction
 from kda.ops.chunk.layout import chunk_layout
 from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
@@ -21,10 +23,11 @@ from kda.ops.validation import (
     validate_activations,
     validate_chunk_size,
     validate_inputs,
+    validate_pool_prefill,
     validate_states_dtype,
     warn_if_head_first,
 )
-from kda.reference import chunk_kda_reference
+from kda.reference import chunk_kda_reference, pooled_kda
 
 
 @on_q_device
@@ -57,6 +60,10 @@ def chunk_kda(
     cp_context=None,
     use_graph: bool = False,
     max_num_seqs: int | None = None,
+    initial_state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
+    final_state_dtype: torch.dtype | None = None,
 ):
     """KDA by the chunkwise-parallel WY/UT algorithm: training and prefill.
 
@@ -84,9 +91,24 @@ def chunk_kda(
     (taken with a ``DeprecationWarning``); ``cp_context`` (from ``kda.cp.build_cp_context``) runs
     the call context-parallel (docs/cp.md); ``use_graph`` and ``max_num_seqs`` (CUDA-graph varlen)
     are not supported yet and must keep their defaults.
+
+    Serving (docs/API.md, "State pools"), forward only: ``initial_state`` may be a pool
+    ``[P, HV, K, V]`` with ``initial_state_indices`` ``[N]`` (and ``inplace_final_state=True``):
+    sequence n reads slot ``initial_state_indices[n]`` (zeros where ``has_initial_state[n]`` is
+    False) and its final state is written back there, in the kernels, without a gathered copy.
+    A negative slot is padding (zero outputs, the pool untouched); a slot >= P gives NaN outputs
+    and touches nothing. ``inplace_final_state=True`` without indices overwrites
+    ``initial_state`` ``[N, ...]``. States may be float32, bfloat16 or float16 (computed in
+    float32, rounded once where stored); ``final_state_dtype`` is a new final state's dtype
+    (float32 when None).
     """
     state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
     refuse_unsupported(use_graph, max_num_seqs)
+    serving = (initial_state_indices is not None or has_initial_state is not None
+               or inplace_final_state is not False or final_state_dtype is not None)
+    if cp_context is not None and serving:
+        raise ValueError("initial_state_indices, has_initial_state, inplace_final_state and "
+                         "final_state_dtype are not supported with cp_context")
     if cp_context is not None:
         from kda.cp.chunk import chunk_kda_cp       # kda.cp imports this module
         validate_states_dtype(intermediate_states_dtype)
@@ -100,7 +122,8 @@ def chunk_kda(
             return_intermediate_states=return_intermediate_states)
     validate_states_dtype(intermediate_states_dtype)
     problem, offsets = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                       cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu)
+                                       cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
+                                       check_state=initial_state_indices is None)
     params = validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
                                   safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     A_log, dt_bias, lower_bound = params.A_log, params.dt_bias, params.lower_bound
@@ -113,6 +136,8 @@ def chunk_kda(
     if return_intermediate_states and needs_grad:
         raise ValueError("return_intermediate_states=True is for inference only; call it under "
                          "torch.no_grad() or with inputs that do not require grad")
+    validate_pool_prefill(problem, q.device, initial_state, state_v_first, initial_state_indices,
+                          has_initial_state, inplace_final_state, final_state_dtype, needs_grad)
 
     # Not bf16 in Triton's interpreter: its tl.dot multiplies bf16 operands' raw bit patterns
     # (triton-lang/triton#11584), and the kernels' answer is finite garbage there (relative error
@@ -122,9 +147,19 @@ def chunk_kda(
             beta = activate_beta(beta, allow_neg_eigval)
         if use_gate_in_kernel:
             g = activate_gate(g, A_log, dt_bias, lower_bound)
-        return cast_intermediate_states(chunk_kda_reference(
-            q, k, v, g, beta, problem.scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            cu_seqlens, state_v_first, chunk_size, return_intermediate_states), intermediate_states_dtype)
+        args = (q, k, v, g, beta, problem.scale, initial_state)
+        if initial_state_indices is not None:
+            o, *h = pooled_kda(chunk_kda_reference, *args, initial_state_indices, has_initial_state,
+                               use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size=chunk_size,
+                               return_intermediate_states=return_intermediate_states)
+            result = (o, initial_state if output_final_state else None, *h)
+        else:
+            result = chunk_kda_reference(*args, output_final_state or inplace_final_state,
+                                         use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, chunk_size,
+                                         return_intermediate_states)
+            result = _place_final_state(result, initial_state, output_final_state, inplace_final_state,
+                                        final_state_dtype)
+        return cast_intermediate_states(result, intermediate_states_dtype)
     # The kernels read beta in float32 (a [B, T, HV] copy, which training keeps for the backward:
     # 4 bytes a token-head, 1 / K of q's float32 size; test_saved_for_backward): the state
     # sweeps load it a row at a time in their chunk loop, and Triton (3.6) prefetches a load
@@ -141,6 +176,9 @@ def chunk_kda(
             beta = activate_beta(beta, allow_neg_eigval)
         beta = beta.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
     q, k, v, g, initial_state, cu_seqlens = contiguous(q, k, v, g, initial_state, cu_seqlens)
+    slots = None
+    if initial_state_indices is not None:
+        slots = StateSlots(*contiguous(initial_state_indices, has_initial_state))
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
     # ops it took five float32 passes over [B, T, HV, K] each way (H200, (8, 4096, 16), Kimi
@@ -159,13 +197,35 @@ def chunk_kda(
             cu_seqlens, layout, gate, store_states=return_intermediate_states,
             l2norm=use_qk_l2norm_in_kernel,
             prepare_beta=None if ready else functools.partial(
-                kernel_beta, sigmoid=use_beta_sigmoid_in_kernel, neg_eigval=allow_neg_eigval))
+                kernel_beta, sigmoid=use_beta_sigmoid_in_kernel, neg_eigval=allow_neg_eigval),
+            slots=slots, inplace=inplace_final_state, final_state_dtype=final_state_dtype)
+        if slots is not None or inplace_final_state:
+            # The sweep wrote the pool (or the state) behind autograd's back: its version counter
+            # moves as a PyTorch in-place op's would (fused_recurrent_kda does the same).
+            increment_version(initial_state)
+            final_state = initial_state if output_final_state else None
         if not return_intermediate_states:
             return o, final_state
         h = h.view(problem.B, layout.NT, *h.shape[1:]) if cu_seqlens is None else h.unsqueeze(0)
         return cast_intermediate_states((o, final_state, h.transpose(-1, -2) if state_v_first else h),
                                         intermediate_states_dtype)
-    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, problem.scale, initial_state,
-                                  output_final_state, state_v_first, cu_seqlens, layout,
-                                  use_qk_l2norm_in_kernel, gate and gate.kind,
-                                  gate and gate.lower_bound, disable_recompute)
+    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, problem.scale, initial_state,
+                                            output_final_state, state_v_first, cu_seqlens, layout,
+                                            use_qk_l2norm_in_kernel, gate and gate.kind,
+                                            gate and gate.lower_bound, disable_recompute)
+    if final_state is not None and final_state_dtype is not None:
+        final_state = final_state.to(final_state_dtype)
+    return o, final_state
+
+
+def _place_final_state(result: tuple, initial_state, output_final_state: bool, inplace: bool,
+                       final_state_dtype) -> tuple:
+    """The PyTorch path's ``(o, final_state, ...)`` as the kernels return it: written into
+    ``initial_state`` with ``inplace``, else in ``final_state_dtype`` where given."""
+    o, final_state, *rest = result
+    if inplace:
+        initial_state.copy_(final_state)
+        final_state = initial_state
+    elif final_state is not None and final_state_dtype is not None:
+        final_state = final_state.to(final_state_dtype)
+    return (o, final_state if output_final_state else None, *rest)

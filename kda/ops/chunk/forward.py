@@ -32,6 +32,15 @@ from kda.ops.gate import KernelGate, bounded_decay
 from kda.ops.utils import fork, join, state_strides
 
 
+class StateSlots(NamedTuple):
+    """Pool prefill (docs/API.md, "State pools"): sequence n's state is slot ``indices[n]`` (int32
+    or int64 ``[N]``) of the pool passed as the initial state, read unless ``has_initial[n]``
+    (bool ``[N]``, or None: every slot is read) is False, and its final state is written back
+    there. The sweep reads and writes the pool itself: no gathered copy, no scatter."""
+    indices: torch.Tensor
+    has_initial: torch.Tensor | None
+
+
 class ForwardOutputs(NamedTuple):
     """``chunk_kda_fwd``'s result: the outputs ``o`` (input dtype), the float32 ``final_state``
     (None unless asked for), the in-chunk tensors ``intra`` and ``h``, the float32 state entering
@@ -45,7 +54,8 @@ class ForwardOutputs(NamedTuple):
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
                   store_states: bool = False, l2norm: bool = False, unit_keys: bool = False,
-                  prepare_beta=None) -> ForwardOutputs:
+                  prepare_beta=None, slots: StateSlots | None = None, inplace: bool = False,
+                  final_state_dtype: torch.dtype | None = None) -> ForwardOutputs:
     """The forward: the in-chunk stage, then the fused state sweep and outputs. ``l2norm``
     (inference with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products
     normalize the rows they read (``chunk_pair_fwd_kernel``). ``unit_keys``: k's rows are
@@ -55,7 +65,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     ``prepare_beta(out, beta)`` writes the float32 copy the kernels read (``kernel_beta``); it
     runs on the side stream beside the first cumsum, which does not read it, and not at the head
     of the current stream's chain (at SEGMENT_MIN_TOKEN_HEADS and above; docs/tuning.md,
-    "beta").
+    "beta"). ``slots``: the initial state is a pool, read and written in the slots given
+    (``StateSlots``), and returned as the final state. ``inplace``: the final state is written
+    into ``initial_state`` and returned. ``final_state_dtype``: a new final state's dtype
+    (float32 when None; rounded once, at the store).
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
@@ -65,7 +78,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     steps on the same chunks, so the same bits (docs/tuning.md, "Time segments"). Not
     segmented: several sequences (their segments would not be contiguous views; the kernels
     would need a row stride per sequence) and the backward (its carry and gradient sweep would
-    need the in-chunk stage's segments in opposite orders)."""
+    need the in-chunk stage's segments in opposite orders), and a pool call (``slots``: the
+    segments hand the state over in a ``[N, ...]`` buffer, which the slot-indexed first read and
+    last write would each need a build of their own for)."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -74,19 +89,35 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
     h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    final_state = torch.empty(shape, dtype=torch.float32, device=dev) if output_final_state else None
+    if slots is not None or inplace:
+        final_state = initial_state
+    elif output_final_state:
+        final_state = torch.empty(shape, dtype=final_state_dtype or torch.float32, device=dev)
+    else:
+        final_state = None
+    # The pool's slots (``load_slot_state``); the flags at their defaults keep the other builds as
+    # they are.
+    pool = dict(state_indices=None, has_initial=None, num_slots=0)
+    if slots is not None:
+        has_initial = slots.has_initial
+        pool = dict(state_indices=slots.indices,
+                    has_initial=None if has_initial is None else has_initial.view(torch.uint8),
+                    num_slots=initial_state.shape[0], USE_STATE_INDICES=True,
+                    USE_HAS_INITIAL=has_initial is not None)
+    stride_sk, stride_sv = state_strides(K, V, state_v_first)
 
     def sweep(intra, part, part_layout, h0, ht):
         Tp = part.stop - part.start
         chunk_state_output_fwd_kernel[sweep_grid(N, HV, V, blocks)](
             intra.qt, intra.kg, intra.kbar, v[:, part], beta[:, part], intra.gc, intra.Aqk, intra.Minv,
-            o[:, part], h, h0, ht, cu_seqlens, part_layout.offsets, part_layout.order, Tp,
-            part_layout.NT, *state_strides(K, V, state_v_first), USE_INITIAL_STATE=h0 is not None,
-            STORE_FINAL_STATE=ht is not None, STORE_STATES=store_states, **blocks,
-            **head_dims(q, v, part_layout, cu_seqlens))
+            o[:, part], h, h0, ht, cu_seqlens, part_layout.offsets, part_layout.order,
+            T=Tp, NT=part_layout.NT, stride_sk=stride_sk, stride_sv=stride_sv,
+            USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
+            STORE_STATES=store_states, **blocks, **head_dims(q, v, part_layout, cu_seqlens), **pool)
 
     all_near = (l2norm or unit_keys) and bounded_decay(gate)
-    segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
+    segments = None if slots is not None else forward_segments(B, T, HV, K, V, layout, cu_seqlens,
+                                                                store_states, dev)
     intra = in_chunk_buffers(B, T, HV, K, layout.BT, dev, dt)
     side = None
     try:
