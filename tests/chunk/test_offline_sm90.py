@@ -22,7 +22,8 @@ ROOT = PROGRAM.parents[2]
 # The cases sm90_builds.cases() lists.
 CASES = 66
 
-pytestmark = pytest.mark.xdist_group('sm90_builds')
+# Slow: 65 compiles (minutes on two cores), in the full tier only.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('sm90_builds')]
 
 
 @functools.cache
