@@ -285,15 +285,9 @@ def _case_results(name: str, path: str) -> dict:
 
 
 def _case_params():
-    """The cases; a group's cases share one xdist_group, so that a parallel run (pytest-xdist,
-    ``--dist loadgroup``) spawns each group once, on one worker."""
-    params = []
-    for name in CASES:
-        for path in PATHS:
-            group = f'cp-{CASES[name].world_size}-{path}-{"slow" if _slow(name, path) else "fast"}'
-            marks = [pytest.mark.xdist_group(group)] + ([pytest.mark.slow] if _slow(name, path) else [])
-            params.append(pytest.param(name, path, id=f'{name}-{path}', marks=marks))
-    return params
+    return [pytest.param(name, path, id=f'{name}-{path}',
+                         marks=[pytest.mark.slow] if _slow(name, path) else [])
+            for name in CASES for path in PATHS]
 
 
 @pytest.mark.parametrize('name, path', _case_params())
@@ -316,7 +310,6 @@ def refusals():
     return [r['refusals'] for r in _spawn(2, False, ['refusals'])]
 
 
-@pytest.mark.xdist_group('cp-refusals')
 @pytest.mark.parametrize('name', REFUSALS)
 def test_bad_context_raises_value_error(refusals, name):
     """On every rank, before any chunk_kda call."""

@@ -1,8 +1,9 @@
 """What only a compile for the H100/H200 (sm_90) shows, checked without a GPU: every chunk kernel's
 shared memory at its launch configuration, float32 products off the tensor cores, and where the
 programmatic-dependent-launch instructions sit. The builds come from one run of
-``sm90_builds.py`` (a process of its own, the interpreter off), shared by the tests here; in
-CI's parallel run the tests stay on one worker (``xdist_group``), so the builds are compiled once.
+``sm90_builds.py`` (a process of its own, the interpreter off), shared by the tests here; CI's
+parallel run (``--dist loadfile``) keeps a file's tests on one worker, so the builds are compiled
+once.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ ROOT = PROGRAM.parents[2]
 CASES = 66
 
 # Slow: 65 compiles (minutes on two cores), in the full tier only.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('sm90_builds')]
+pytestmark = pytest.mark.slow
 
 
 @functools.cache
