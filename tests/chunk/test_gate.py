@@ -74,13 +74,17 @@ def test_gate_and_beta_in_kernel(gate):
     gk = torch.autograd.grad((o * do.to(KDEV)).sum() + (ht * dht.to(KDEV)).sum(), [leaves[n] for n in names])
 
     L = {n: to64(t).requires_grad_() for n, t in dict(x, **extra).items()}
-    z = L['g'] + L['dt_bias'].view(HV, K) if 'dt_bias' in L else L['g']
+    # A_log and dt_bias enter the float64 reference once a (token, channel), as leaves of their
+    # own (``per_token``): their gradients are the sums over tokens of those leaves' gradients.
+    per_token = {n: L[n].detach().view(1, 1, HV, -1).expand(B, T, HV, K).clone().requires_grad_()
+                 for n in ('A_log', 'dt_bias') if n in L}
+    z = L['g'] + per_token['dt_bias'] if 'dt_bias' in L else L['g']
     if gate.startswith('A_log'):
-        g = -L['A_log'].exp()[:, None] * F.softplus(z)
+        g = -per_token['A_log'].exp() * F.softplus(z)
         beta = torch.sigmoid(L['beta'])
     else:
         if 'A_log' in L:
-            z = L['A_log'].exp()[:, None] * z
+            z = per_token['A_log'].exp() * z
         g = lb * torch.sigmoid(z)
         beta = 2 * torch.sigmoid(L['beta'])
     q, k = L['q'], L['k']
@@ -88,8 +92,20 @@ def test_gate_and_beta_in_kernel(gate):
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     ro, rht = naive_recurrent_kda(q, k, L['v'], g, beta, initial_state=to64(s0),
                                   output_final_state=True, cu_seqlens=cu)
-    rg = torch.autograd.grad((ro * to64(do)).sum() + (rht * to64(dht)).sum(), [L[n] for n in names])
+    leaves64 = [per_token.get(n, L[n]) for n in names]
+    rg = torch.autograd.grad((ro * to64(do)).sum() + (rht * to64(dht)).sum(), leaves64)
+    terms = {n: t for n, t in zip(names, rg) if n in per_token}
+    sums = {'A_log': lambda t: t.sum((0, 1, 3)), 'dt_bias': lambda t: t.sum((0, 1)).reshape(-1)}
+    rg = [sums[n](t) if n in per_token else t for n, t in zip(names, rg)]
     errs = errors(o, ht, dict(zip(names, (t.cpu() for t in gk))), ro, rht, dict(zip(names, rg)))
+    # dA_log and ddt_bias are sums over tokens (and channels) of terms of either sign, which cancel:
+    # their relative error is the terms' float32 error times the cancellation (sum |terms| over
+    # |sum|), a property of the inputs (2e-5 .. 6e-5 on 2 seeds in 10 at TOL's dg error). Each is
+    # held to TOL of the sums of the terms' magnitudes instead: a missing or doubled term is off
+    # by about that magnitude.
+    for n, t in terms.items():
+        got = gk[names.index(n)].cpu()
+        errs['d' + n] = (to64(got) - rg[names.index(n)]).norm().item() / sums[n](t.abs()).norm().item()
     if gate == 'A_log_wide':
         # dA_log = sum dg/dstep * step is ill-conditioned here: steps near -100 multiply the
         # rounding of dg (1e-5 of its norm) while their true products vanish; against the
