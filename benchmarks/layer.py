@@ -24,6 +24,14 @@ DECODE_BATCHES = [1, 16, 64, 256]
 PREFILL_T = 16
 
 
+def train_batch(quick: bool) -> int:
+    return 2 if quick else TRAIN_B
+
+
+def decode_batches(quick: bool) -> list[int]:
+    return [1, 64] if quick else DECODE_BATCHES
+
+
 def _layers(fla):
     """(ours, FLA's or an error string), bf16 on the GPU, with FLA's weights in ours."""
     import torch
@@ -92,7 +100,7 @@ def layer_section(ours, fla, bench, quick: bool, commit: str) -> dict:
     ours_layer, fla_layer = _layers(fla)
     rows = []
     t0 = time.time()
-    B = 2 if quick else TRAIN_B
+    B = train_batch(quick)
     row = dict(case=f"training step ({B}, {TRAIN_T}), hidden {HIDDEN}, H = {HEADS}", B=B, T=TRAIN_T,
                unit='ms', times={}, errors={})
     for name, layer in (('ours', ours_layer), ('FLA', fla_layer)):
@@ -106,7 +114,7 @@ def layer_section(ours, fla, bench, quick: bool, commit: str) -> dict:
         free_memory()
     rows.append(row)
     with torch.inference_mode():
-        for B in ([1, 64] if quick else DECODE_BATCHES):
+        for B in decode_batches(quick):
             row = dict(case=f"decode step, B = {B}", B=B, T=1, unit='us', times={}, errors={})
             makers = {'ours': lambda: _ours_decode(ours_layer, B, False, bench),
                       'ours, CUDA graph': lambda: _ours_decode(ours_layer, B, True, bench),

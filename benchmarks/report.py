@@ -62,7 +62,8 @@ def _errors(section: dict, label_key: str = 'case') -> list[str]:
     """One line an implementation: its error where it failed at every row, else per row."""
     lines = []
     for name in section['implementations']:
-        failures = [(row.get(label_key), row['errors'][name]) for row in section['rows'] if name in row.get('errors', {})]
+        failures = [(row.get(label_key), row['errors'][name])
+                    for row in section['rows'] if name in row.get('errors', {})]
         if not failures:
             continue
         messages = {msg for _, msg in failures}
@@ -81,7 +82,8 @@ def chunk_table(section: dict, record: dict) -> str:
     backward = section['mode'] == 'fwdbwd'
     ran = _ran(section, 'ms')
     others = [n for n in ran if n != 'ours']
-    title = f"## {MODE_TITLES[section['mode']]}, {cases.CONFIG_TITLES[section['config']]} ({_commit_note(section, record)})"
+    config = cases.CONFIG_TITLES[section['config']]
+    title = f"## {MODE_TITLES[section['mode']]}, {config} ({_commit_note(section, record)})"
     headers = ['(B, T, H)'] + [f"{n} ms" for n in ran] + [f"{n} / ours" for n in others]
     headers += ['floor ms (bytes, FLOPs)', 'ours / floor', f"peak GiB ({', '.join(ran)})"]
     if backward and 'FLA' in ran:
@@ -157,6 +159,20 @@ def profile_table(section: dict, record: dict) -> str:
     return f"{title}\n\n{_table(['kernel', 'ms per step', 'launches per step'], rows)}"
 
 
+def layer_table(section: dict, record: dict) -> str:
+    ran = _ran(section, 'times')
+    others = [n for n in ran if n != 'ours']
+    title = (f"## KDA layer beside FLA's, hidden {section['hidden']}, H = {section['H']}, "
+             f"K = V = {section['K']}, bf16 ({_commit_note(section, record)})")
+    headers = ['case', 'unit'] + ran + [f"{n} / ours" for n in others]
+    rows = []
+    for row in section['rows']:
+        times = row['times']
+        rows.append([row['case'], row['unit']] + [_num(times.get(n), '.3f') for n in ran]
+                    + [_num(_ratio(times.get(n), times.get('ours')), '.2f') for n in others])
+    return f"{title}\n\n{_table(headers, rows)}{_error_block(_errors(section))}"
+
+
 def _software(record: dict) -> str:
     names = {'torch': 'torch', 'triton': 'triton', 'FLA': 'FLA (fla-core)', 'FlashKDA': 'FlashKDA'}
     return ', '.join(f"{label} {record['versions'][k]}" if record['versions'].get(k) else f"{label} not installed"
@@ -208,10 +224,13 @@ def render(record: dict, plot_link: str | None = None, json_name: str = 'benchma
             parts.append(throughput_table(section, record, plot_link))
         elif kind == 'profile':
             parts.append(profile_table(section, record))
+        elif kind == 'layer':
+            parts.append(layer_table(section, record))
         elif kind == 'failed':
             parts.append(f"## {section['part']}: failed\n\n{section['error']}")
         else:
-            raise ValueError(f"record section kind {kind!r}: expected chunk, decode, throughput, profile or failed")
+            raise ValueError(f"record section kind {kind!r}: expected chunk, decode, throughput, profile, "
+                             "layer or failed")
     return '\n\n'.join(parts) + '\n'
 
 

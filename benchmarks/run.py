@@ -16,6 +16,8 @@ Parts, each a section of the record:
   ``fused_recurrent_kda_fwd``). The first case is timed once more ahead and dropped: the first
   host-bound case timed in a process reads slow for every library.
 * ``throughput``: forward tokens/s at B * T = 32768, H = 32, T = 2048 .. 32768 (the plot).
+* ``layer``: the KDA layer (``kda.layers.KimiDeltaAttention``) beside FLA's with the same weights:
+  a training step and decode steps from a cache (``layer.py``).
 
 Each chunk row also holds the allocator peak of one call (inputs included) and the time floor
 (``floors.py``).
@@ -29,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import cases
+from . import cases, layer
 from .floors import (
     BYTES_PER_S,
     FLOPS_PER_S,
@@ -38,7 +40,7 @@ from .floors import (
     decode_state_bytes,
 )
 
-PARTS = ('fwd', 'fwd-kimi', 'fwdbwd', 'fwdbwd-kimi', 'profile', 'profile-kimi', 'decode', 'throughput')
+PARTS = ('fwd', 'fwd-kimi', 'fwdbwd', 'fwdbwd-kimi', 'profile', 'profile-kimi', 'decode', 'throughput', 'layer')
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / 'benchmarks' / 'results.json'
 DEFAULT_PAGE = ROOT / 'BENCHMARKS.md'
@@ -67,6 +69,9 @@ def describe(parts, quick: bool) -> list[str]:
                    f"{', '.join(map(str, cases.DECODE_KIMI_BATCHES))}, CUDA-graph replay at B = 1, ours and FLA"),
         'throughput': (f"throughput: forward Mtok/s at B * T = {cases.PLOT_TOKENS}, H = {cases.PLOT_H}, "
                        f"T = {', '.join(map(str, throughput_lengths(quick)))}, ours and FLA (the plot)"),
+        'layer': (f"layer: KimiDeltaAttention, hidden {layer.HIDDEN}, H = {layer.HEADS}, training step at "
+                  f"({layer.train_batch(quick)}, {layer.TRAIN_T}), decode step at B = "
+                  f"{', '.join(map(str, layer.decode_batches(quick)))} (eager and CUDA graph), ours and FLA"),
     }
     return [lines[p] for p in parts]
 
@@ -367,6 +372,7 @@ def measure(args, parts) -> int:
         'profile-kimi': lambda: profile_section(ours.chunk, 'kimi', commit),
         'decode': lambda: decode_section(ours, fla, bench, args.quick, commit),
         'throughput': lambda: throughput_section(chunk_impls('g', False), bench, args.quick, commit),
+        'layer': lambda: layer.layer_section(ours, fla, bench, args.quick, commit),
     }
     raise_clocks()
     json_path, page_path = Path(args.json), Path(args.page)

@@ -6,6 +6,8 @@ Conventions (project rules):
 * Results are compared by the relative error norm ``||x - ref|| / ||ref||`` (``rel_err``).
 * Inputs are drawn fresh for every test: the autouse ``_seed`` fixture seeds torch's global RNG
   from the test's node id, so every test sees different numbers, yet reruns are reproducible.
+* ``bounds_checked_memory`` (a fixture a test module applies with ``pytestmark``) checks, in the
+  interpreter, that every kernel load and store stays inside the launch's tensors.
 * ``INTERPRET`` says whether the Triton kernels run on CPU tensors (``TRITON_INTERPRET=1``);
   ``requires_interpreter`` / ``requires_cuda`` are skip markers for tests that need them.
 
@@ -36,6 +38,63 @@ def _seed(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture
+def bounds_checked_memory(monkeypatch):
+    """Interpreter only: every unmasked load and store of a kernel must touch bytes inside
+    one of the launch's tensor arguments (a read past the end of a buffer is undefined behaviour on the
+    GPU: usually garbage, possibly a fault). Hooks the interpreter's masked load/store (Triton
+    3.x internals); skips the test where they are not available."""
+    if HAS_CUDA or not INTERPRET:
+        yield None
+        return
+    try:
+        from triton.runtime import interpreter as it
+        builder, executor = it.InterpreterBuilder, it.GridExecutor
+        builder.create_masked_load, builder.create_masked_store, executor.__call__
+    except (ImportError, AttributeError):
+        pytest.skip("this Triton's interpreter has no load/store hooks to check bounds")
+    import numpy as np
+    ranges = []
+    bad = []
+    real_call, real_load, real_store = executor.__call__, builder.create_masked_load, builder.create_masked_store
+
+    def call(self, *args, **kwargs):
+        saved = list(ranges)
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.numel() > 0:
+                # the tensor's own extent (not its storage's: a view's neighbours are off limits)
+                span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
+                ranges.append((a.data_ptr(), a.data_ptr() + span * a.element_size()))
+        try:
+            return real_call(self, *args, **kwargs)
+        finally:
+            ranges[:] = saved
+
+    def check(ptrs, mask, what):
+        addr = np.broadcast_to(ptrs.data, np.broadcast_shapes(ptrs.data.shape, mask.data.shape))
+        addr = addr[np.broadcast_to(mask.data, addr.shape)].astype(np.uint64)
+        size = np.dtype(it._get_np_dtype(ptrs.get_element_ty())).itemsize
+        ok = np.zeros(addr.shape, dtype=bool)
+        for lo, hi in ranges:
+            ok |= (addr >= lo) & (addr + size <= hi)
+        if not ok.all():
+            bad.append(f"{what}: {int((~ok).sum())} of {addr.size} addresses outside every argument")
+
+    def load(self, ptrs, mask, other, *a, **kw):
+        check(ptrs, mask, 'load')
+        return real_load(self, ptrs, mask, other, *a, **kw)
+
+    def store(self, ptrs, value, mask, *a, **kw):
+        check(ptrs, mask, 'store')
+        return real_store(self, ptrs, value, mask, *a, **kw)
+
+    monkeypatch.setattr(executor, '__call__', call)
+    monkeypatch.setattr(builder, 'create_masked_load', load)
+    monkeypatch.setattr(builder, 'create_masked_store', store)
+    yield bad
+    assert not bad, f"out-of-bounds memory accesses: {bad[:5]}"
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -118,8 +177,8 @@ def reference64(q, k, v, g, beta, **kwargs):
 
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run only every N-th collected test, starting at I (0 <= I < N); "
-                          "benchmarks/gpu_session.sh runs N shards in parallel to spread kernel compiles")
+                     help="run only every N-th collected test, starting at I (0 <= I < N): N shards "
+                          "run in parallel spread the kernels' compiles over a GPU host's cores")
 
 
 def pytest_collection_modifyitems(config, items):

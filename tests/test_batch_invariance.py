@@ -6,7 +6,7 @@ bit for bit the same whether it runs alone (fixed length or as the only sequence
 ``cu_seqlens``), packed with others in a varlen batch at any position, or as one row of a
 fixed-length batch; and the same on every run (gate-parameter gradients included, which sum over
 the whole batch). The launchers choose block sizes, program order and which kernels run
-side by side from the batch's size against the GPU's SMs (``kda/ops/chunk.py``:
+side by side from the batch's size against the GPU's SMs (``kda/ops/chunk/launch.py``:
 ``state_launch_config``, ``transposed_sweeps``, ``sweep_grid``); the "many SMs" arrangement
 runs the sequence alone under the choices of a GPU it leaves mostly idle (halved value slices,
 FEW_PROGRAMS, transposed backward sweeps), the others under those of a one-SM GPU. Float32

@@ -70,6 +70,32 @@ def test_dry_run_lists_parts_and_shapes(capsys):
     assert 'decode' in text and 'throughput' not in text
 
 
+def test_dry_run_lists_the_layer_part(capsys):
+    assert 'layer' in run.PARTS
+    assert cli.main(['run', '--dry-run', '--parts', 'layer']) == 0
+    text = capsys.readouterr().out
+    assert 'layer: KimiDeltaAttention' in text and 'training step at (8, 4096)' in text
+    assert 'decode step at B = 1, 16, 64, 256' in text and '  fwd' not in text
+    assert cli.main(['run', '--dry-run', '--quick', '--parts', 'layer']) == 0
+    text = capsys.readouterr().out
+    assert 'training step at (2, 4096)' in text and 'decode step at B = 1, 64 ' in text
+
+
+def test_report_renders_the_layer_section():
+    layer = dict(kind='layer', commit='commit-d', hidden=2048, H=16, K=128, V=128,
+                 implementations=['ours', 'ours, CUDA graph', 'FLA'],
+                 rows=[dict(case='training step (8, 4096), hidden 2048, H = 16', B=8, T=4096, unit='ms',
+                            times={'ours': 20.0, 'FLA': 25.0}, errors={'ours, CUDA graph': 'not captured'}),
+                       dict(case='decode step, B = 1', B=1, T=1, unit='us',
+                            times={'ours': 200.0, 'ours, CUDA graph': 50.0, 'FLA': 400.0}, errors={})])
+    page = report.render(dict(_record(), sections=[layer]))
+    assert "## KDA layer beside FLA's, hidden 2048, H = 16, K = V = 128, bf16 (commit commit-d)" in page
+    assert '| case | unit | ours | ours, CUDA graph | FLA | ours, CUDA graph / ours | FLA / ours |' in page
+    assert '| training step (8, 4096), hidden 2048, H = 16 | ms | 20.000 | - | 25.000 | - | 1.25 |' in page
+    assert '| decode step, B = 1 | us | 200.000 | 50.000 | 400.000 | 0.25 | 2.00 |' in page
+    assert 'ours, CUDA graph at training step (8, 4096), hidden 2048, H = 16: not captured' in page
+
+
 def test_unknown_part_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(['run', '--parts', 'fwd,nonsense'])
@@ -93,21 +119,21 @@ def _chunk_row(label, ours, fla, flashkda=None, errors=None):
 
 def _record():
     return dict(
-        format=1, command='python -m benchmarks run', commit='abc1234', date='2030-01-02',
+        format=1, command='python -m benchmarks run', commit='commit-a', date='the date',
         gpu='NVIDIA H200 (132 SMs)', versions=dict(torch='2.11', triton='3.6.0', FLA='0.6.0', FlashKDA='0.1'),
         fla_environment=dict(FLA_FLASH_KDA='0'), timing='do_bench median',
         ceilings=dict(bytes_per_s=4.3e12, flops_per_s=700e12), agreement_bound=2e-2,
         sections=[
-            dict(kind='chunk', mode='fwd', config='kimi', commit='abc1234',
+            dict(kind='chunk', mode='fwd', config='kimi', commit='commit-a',
                  implementations=['ours', 'FLA', 'FlashKDA'],
                  rows=[_chunk_row('(1, 4096, 16)', 1.0, 2.0, 0.5),
                        _chunk_row('(2, 4096, 16)', 2.0, 3.0, errors={'FlashKDA': 'ValueError: no'})]),
-            dict(kind='chunk', mode='fwdbwd', config='g', commit='def5678', implementations=['ours', 'FLA'],
+            dict(kind='chunk', mode='fwdbwd', config='g', commit='commit-b', implementations=['ours', 'FLA'],
                  rows=[_chunk_row('(1, 4096, 16)', 4.0, 6.0)]),
-            dict(kind='decode', commit='def5678', H=32, implementations=['ours', 'FLA'],
+            dict(kind='decode', commit='commit-b', H=32, implementations=['ours', 'FLA'],
                  rows=[dict(case='64', B=64, config='g', graph=False, us=dict(ours=80.0, FLA=100.0), errors={},
                             floor_us=dict(bytes=63.16, flops=1.0), state_bytes=268435456)]),
-            dict(kind='throughput', commit='abc1234', tokens=32768, H=32, implementations=['ours', 'FLA'],
+            dict(kind='throughput', commit='commit-a', tokens=32768, H=32, implementations=['ours', 'FLA'],
                  rows=[dict(T=32768, B=1, ms=dict(ours=2.0, FLA=4.0), errors={})]),
         ])
 
@@ -115,8 +141,8 @@ def _record():
 def test_report_computes_ratios_floors_and_names_each_tables_commit():
     page = report.render(_record(), 'benchmarks/forward_throughput.png')
     assert 'NVIDIA H200' in page and 'FlashKDA 0.1' in page and 'FLA (fla-core) 0.6.0' in page
-    assert '## chunk_kda forward (inference mode), Kimi configuration (commit abc1234)' in page
-    assert '## chunk_kda forward + backward, g pre-computed (commit def5678)' in page
+    assert '## chunk_kda forward (inference mode), Kimi configuration (commit commit-a)' in page
+    assert '## chunk_kda forward + backward, g pre-computed (commit commit-b)' in page
     # ours 1.0 ms, FLA 2.0, FlashKDA 0.5; floor 0.25 ms
     assert '| (1, 4096, 16) | 1.000 | 2.000 | 0.500 | 2.00 | 0.50 | 0.250 (0.250, 0.125) | 4.0 |' in page
     assert 'FlashKDA at (2, 4096, 16): ValueError: no' in page
@@ -191,7 +217,8 @@ def test_run_tables_record_every_implementation_on_cpu(monkeypatch):
     tiny = cases.ChunkCase('(1, 40, 1)', 1, 40, 1)
     monkeypatch.setattr(cases, 'chunk_cases', lambda: [tiny])
     original = cases.chunk_inputs
-    monkeypatch.setattr(cases, 'chunk_inputs', lambda case, config='g', **kw: original(case, config, device='cpu', **kw))
+    monkeypatch.setattr(cases, 'chunk_inputs',
+                        lambda case, config='g', **kw: original(case, config, device='cpu', **kw))
     monkeypatch.setattr(timing, 'peak_gib', lambda fn: (fn(), 0.5)[1])
     monkeypatch.setattr(timing, 'free_memory', lambda: None)
     ours = libraries.load_ours().chunk
@@ -200,10 +227,10 @@ def test_run_tables_record_every_implementation_on_cpu(monkeypatch):
         o, state = ours(*args, **kwargs)
         return o * 2, state
     section = run.chunk_section({'ours': ours, 'FLA': 'FLA unavailable (test)', 'FlashKDA': doubled}, 'kimi',
-                                False, lambda fn, grad_to_none=None: (fn(), 1.5)[1], False, 'c0ffee0')
+                                False, lambda fn, grad_to_none=None: (fn(), 1.5)[1], False, 'commit-c')
     row = section['rows'][0]
     assert row['ms'] == {'ours': 1.5, 'FlashKDA': 1.5} and row['peak_gib'] == {'ours': 0.5, 'FlashKDA': 0.5}
     assert row['errors'] == {'FLA': 'FLA unavailable (test)'}
     assert row['rel_diff_vs_ours']['FlashKDA'] == pytest.approx(1.0, rel=1e-5)
-    assert section['commit'] == 'c0ffee0' and row['floor_ms']['bytes'] > row['floor_ms']['flops'] > 0
+    assert section['commit'] == 'commit-c' and row['floor_ms']['bytes'] > row['floor_ms']['flops'] > 0
     assert 'FLA: FLA unavailable (test)' in report.render(dict(_record(), sections=[section]))

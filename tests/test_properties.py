@@ -20,7 +20,7 @@ Bounds (relative error norm):
   the recurrence computed in float32 on the same 16-bit inputs (its outputs and gradients
   rounded to the dtype once), and ``u`` the size of one rounding of the float64 output to the
   dtype. The kernels round each tensor-core operand to the dtype on purpose, and an output
-  depends on a chain of ~4-8 such roundings (``tests/test_chunk.py``, ``lowp_bound``, measured up
+  depends on a chain of ~4-8 such roundings (``tests/chunk/chunk_helpers.py``, ``lowp_bound``, measured up
   to 3.1 u there). Measured over the seed list: at most 0.37 of the bound (float16 ``dbeta``).
 """
 from __future__ import annotations

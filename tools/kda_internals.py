@@ -17,6 +17,10 @@ from kda.ops.chunk.layout import chunk_layout
 from kda.ops.chunk.schedule import segment_bounds
 from kda.ops.chunk.tuning import FEW_PROGRAMS, TUNING, WIDE_SLICES
 
+# What benchmarks/ and tools/ import from here (the re-exported names included).
+__all__ = ['DECODE_TUNING', 'DOT_DTYPES', 'FEW_PROGRAMS', 'LAUNCH_TABLES', 'TUNING', 'WIDE_SLICES', 'chunk_layout',
+           'forward_segments', 'replaced_forward_segments', 'segment_bounds']
+
 DECODE_TUNING = RECURRENT_MODULE.DECODE_TUNING
 LAUNCH_TABLES = {'TUNING': TUNING, 'FEW_PROGRAMS': FEW_PROGRAMS, 'WIDE_SLICES': WIDE_SLICES}
 

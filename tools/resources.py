@@ -46,7 +46,8 @@ def report(name, fn, values, dtype, launches, **signature_options):
         k = compile_sm90(fn, values, dtype, options, **({'specialize': True} | signature_options))
         with tempfile.NamedTemporaryFile('w', suffix='.ptx', delete=False) as f:
             f.write(k.asm['ptx'])
-        r = subprocess.run([ptxas, '-v', '--gpu-name', 'sm_90a', f.name, '-o', '/dev/null'], capture_output=True, text=True, check=False)
+        r = subprocess.run([ptxas, '-v', '--gpu-name', 'sm_90a', f.name, '-o', '/dev/null'],
+                           capture_output=True, text=True, check=False)
         os.unlink(f.name)
         out = r.stderr + r.stdout
         lines = [l for l in out.splitlines() if 'registers' in l or 'spill' in l or 'stack' in l] or [out[-300:]]
@@ -70,7 +71,7 @@ KERNELS = {
                         [(2, 2, None), (4, 2, 96)]),
     'cumsum_gate_no_A_log': (chunk_cumsum_kernel, dict(BK=64, GATE='softplus', DECAYED=True),
                              dict(absent=OPTIONAL - {'dt_bias'}, pointers=dict(g=bf)), [(4, 2, None)]),
-    # Training's builds, launched plainly (PDL only with L2NORM, kda/ops/chunk.py).
+    # Training's builds, launched plainly (PDL only with L2NORM, kda/ops/chunk/launch.py).
     'pair_fwd': (chunk_pair_fwd_kernel, dict(BK=32, FACTORED_DIAG=True, ALL_NEAR=False, L2NORM=False, PDL=False), {},
                  [(1, 3, None), (2, 3, 128)]),
     # Inference with use_qk_l2norm_in_kernel: raw q, k rows, normalized in the kernel.
@@ -114,13 +115,13 @@ KERNELS = {
     'state_output': (chunk_state_output_fwd_kernel,
                      dict(BK=128, BV=64, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                      dict(absent=OPTIONAL | {'h'}), [(4, 1, None), (8, 1, None), (4, 2, None)]),
-    # FEW_PROGRAMS (kda/ops/chunk.py): 32-wide slices, 2 stages; with the states a segment hands
+    # FEW_PROGRAMS (kda/ops/chunk/tuning.py): 32-wide slices, 2 stages; with the states a segment hands
     # over. Also capped at 192 registers (5 pair-product programs fit beside it), which times
     # slower end to end.
     'state_output_few': (chunk_state_output_fwd_kernel,
                          dict(BK=128, BV=32, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, STORE_STATES=False),
                          dict(absent=OPTIONAL - {'h0', 'ht'} | {'h'}), [(4, 2, None), (4, 2, 192)]),
-    # WIDE_SLICES (kda/ops/chunk.py): one 128-wide slice a head.
+    # WIDE_SLICES (kda/ops/chunk/tuning.py): one 128-wide slice a head.
     'state_output_wide': (chunk_state_output_fwd_kernel,
                           dict(BK=128, BV=128, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=False),
                           dict(absent=OPTIONAL | {'h'}), [(8, 2, None), (8, 1, None)]),

@@ -61,7 +61,7 @@ def sweep_program(cu_seqlens, chunk_offsets, seq_order, T, NT, HV: tl.constexpr,
     """A state sweep's program: (sequence, value head) on grid axis 0, which allows 2^31 - 1
     programs (axis 1 stops at 65535), value slice on axis 1; with ``SLICES_INNERMOST``, one axis of
     (sequence, value head, value slice), the slice innermost (which sweeps take which:
-    ``sweep_grid`` in ``kda/ops/chunk.py``). Varlen takes the sequences in ``seq_order`` (most
+    ``sweep_grid`` in ``kda/ops/chunk/launch.py``). Varlen takes the sequences in ``seq_order`` (most
     chunks first). Returns ``(i_n, i_hv, i_v)`` and the sequence's first row, length and first
     global chunk (``sequence_span``)."""
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -351,14 +351,14 @@ def scale_rows(b_p):
     return b_p * tl.where(b_s > 0, 1. / b_s, 0.)[:, None], b_s
 
 
-# Programmatic dependent launch (Hopper and later; ``kda/ops/chunk.py``, ``dependent_launch``): a
+# Programmatic dependent launch (Hopper and later; ``dependent_launch`` in ``kda/ops/chunk/launch.py``): a
 # kernel launched with ``launch_pdl`` may start while the kernel before it on its stream still
 # runs, once every program of that one has passed ``release_dependent`` or exited (a kernel that
 # never releases lets it start as its programs exit, before its writes are flushed). PDL False
 # (the interpreter, older GPUs; the builds launched plainly) compiles both helpers to nothing.
 # Keep ``wait_for_previous`` out of loops: Triton 3.6's software pipeliner issues a loop's first
 # loads (cp.async) above a wait inside it (triton-lang/triton#11905;
-# ``tests/test_chunk.py::test_dependent_launch_order``).
+# ``tests/chunk/test_offline_sm90.py::test_dependent_launch_order``).
 
 
 @triton.jit

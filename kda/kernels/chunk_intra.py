@@ -1,4 +1,4 @@
-"""Chunk stage 1 (forward): in-chunk decay, the decayed keys and queries, the key-key and
+"""The forward's in-chunk stage: in-chunk decay, the decayed keys and queries, the key-key and
 query-key matrices, and the triangular solve.
 
 For one chunk and value head, with ``c_i = g_1 + ... + g_i`` (in-chunk cumulative log-decay)::
@@ -16,8 +16,8 @@ unless a step decays by more than -5 on average, or keys are huge); the others (
 all) go through the same reference-row scheme once more, on groups of 4 rows, with only the 4 x 4
 diagonal groups formed element by element. One reference row for the whole row block lets the
 row factors ``q_I exp(c_I - r)``, ``k_I exp(c_I - r)`` of a key slice serve every block of the row
-(H200, (8, 4096, 16): 0.53 -> 0.33 ms a call against the last row of each block J as reference,
-which formed them again for every J; BENCHMARKS.md note 73).
+(0.53 -> 0.33 ms a call against the last row of each block J as reference, which formed them
+again for every J: docs/tuning.md, pair_fwd).
 
 Three kernels, in order: ``chunk_cumsum_kernel`` (c; the in-kernel gate's activation too; the
 decayed keys and queries for the backward's recompute), ``chunk_pair_fwd_kernel`` (Aqk and A',
@@ -27,7 +27,7 @@ form's W = M diag(beta) Kg and U = M diag(beta) v are never formed: the state sw
 themselves (``chunk_state.py``). The backward keeps the forward's Aqk, A' and M and recomputes
 only the cumsum kernel's tensors. On Hopper the pair products and the solve of the inference
 forward with l2norm in the kernel are launched as programmatic dependents of the kernel before
-them (``PDL``, ``chunk_common.wait_for_previous``; ``kda/ops/chunk.py``, ``dependent_launch``).
+them (``PDL``, ``chunk_common.wait_for_previous``; ``dependent_launch`` in ``kda/ops/chunk/launch.py``).
 """
 import triton
 import triton.language as tl
@@ -44,8 +44,8 @@ from kda.kernels.l2norm import inverse_norm
 # FAR_SPAN bounds the exponent: it keeps the lower-bound gate's blocks near (steps >= -5, so
 # r - c_j <= 75 in a 16-row block) and, with the row factor exp(c_i - r), which falls below the
 # smallest normal (exp(-87.3)) before anything else does, bounds what a flush of such a row
-# factor to zero could lose: exp(c_i - c_j) < exp(76 - 87.3) = 1.2e-5 (82 would allow 5e-3;
-# review of 92f5174). FAR_KEY keeps the factored key below the bf16/float32 maximum (3.4e38)
+# factor to zero could lose: exp(c_i - c_j) < exp(76 - 87.3) = 1.2e-5 (82 would allow 5e-3).
+# FAR_KEY keeps the factored key below the bf16/float32 maximum (3.4e38)
 # with room for the dot's sums; it is reached by keys above 1e36 / exp(76) = 1e3.
 FAR_SPAN = tl.constexpr(76.0)
 FAR_KEY = tl.constexpr(1e36)
@@ -145,8 +145,8 @@ def diag_slice(b_qk, b_kk, b_q, b_k, b_c, b_r, m_r, k_base, b_rk, gc_base, gc_st
     # The row factor meets key factors up to exp(FAR_SPAN) on the diagonal block. Flushed below
     # 1.2e-38 (exp_ftz), a row whose block decays past 87.3 from r loses terms up to
     # exp(76 - 87.3) = 1.2e-5 |q k| (FAR_SPAN's bound): 300x under a 16-bit operand's rounding, but
-    # not what float32 inputs promise, so for them it keeps its subnormals, as before the
-    # flushing exponentials (review of b1d7dd5: an A' entry of 1.0e-5 came out 0 on the H200).
+    # not what float32 inputs promise, so for them it keeps its subnormals (flushed, an A' entry
+    # of 1.0e-5 came out 0 on the H200: test_forward_diagonal_row_factor_below_normal).
     b_up = tl.where(m_r, exp_nonpos(b_c - b_r[None, :], DOT_DTYPE == tl.float32), 0.)
     b_qe = b_q * b_up
     b_ke = b_k * b_up
@@ -190,11 +190,11 @@ def offdiag_slice(b_qk, b_kk, b_s, b_qe, b_ke, b_r, k_base, gc_base, gc_stride, 
 
 
 @triton.jit
-def store_pair_block(A_base, K_base, b_qk, b_kk, scale, i_i, i_j, L, HV: tl.constexpr,
+def store_pair_block(A_base, Akk_base, b_qk, b_kk, scale, i_i, i_j, L, HV: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr):
     """Block ``(I, J)`` of Aqk (scaled) and A'."""
     store_tile(A_base, b_qk * scale, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
-    store_tile(K_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
+    store_tile(Akk_base, b_kk, i_i * BC, L, HV * BT, i_j * BC, BT, BC, BC)
 
 
 @triton.jit
@@ -230,22 +230,22 @@ def diagonal_inverses(b_At1, b_At2, b_At3, b_At4, BC: tl.constexpr, N: tl.conste
 
 
 @triton.jit
-def beta_rows_block(K_base, beta_base, I: tl.constexpr, J: tl.constexpr, L, HV: tl.constexpr,
+def beta_rows_block(Akk_base, beta_base, I: tl.constexpr, J: tl.constexpr, L, HV: tl.constexpr,
                     BT: tl.constexpr, BC: tl.constexpr):
     """Block ``(I, J)`` of ``A = diag(beta) A'`` (``[BC, BC]``, float32)."""
     o_c = tl.arange(0, BC)
     b_b = tl.load(beta_base + (I * BC + o_c) * HV, mask=I * BC + o_c < L, other=0.).to(tl.float32)
-    return load_tile(K_base, I * BC, L, HV * BT, J * BC, BT, BC, BC) * b_b[:, None]
+    return load_tile(Akk_base, I * BC, L, HV * BT, J * BC, BT, BC, BC) * b_b[:, None]
 
 
 @triton.jit
-def beta_diag_block_t(K_base, beta_base, I: tl.constexpr, L, HV: tl.constexpr, BT: tl.constexpr,
+def beta_diag_block_t(Akk_base, beta_base, I: tl.constexpr, L, HV: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr):
     """The diagonal block ``(I, I)`` of ``A = diag(beta) A'``, transposed for ``substitution_step``;
     strictly lower before the transpose (the pair products store zeros on and above the diagonal;
     the mask only guards that)."""
     o_c = tl.arange(0, BC)
-    b_A = beta_rows_block(K_base, beta_base, I, I, L, HV, BT, BC)
+    b_A = beta_rows_block(Akk_base, beta_base, I, I, L, HV, BT, BC)
     return tl.trans(tl.where(o_c[:, None] > o_c[None, :], b_A, 0.))
 
 
@@ -357,7 +357,7 @@ def chunk_pair_fwd_kernel(
     hv_offset = start * HV * K + i_hv * K
     gc_base = gc + hv_offset
     A_base = Aqk + start * HV * BT + i_hv * BT
-    K_base = Akk + start * HV * BT + i_hv * BT
+    Akk_base = Akk + start * HV * BT + i_hv * BT
 
     tl.static_assert(NC <= 4, "at most 4 sub-blocks a chunk (three blocks J < I)")
     o_c = tl.arange(0, BC)
@@ -415,15 +415,15 @@ def chunk_pair_fwd_kernel(
         b_qk2, b_kk2 = b_qk2 * b_s2, b_kk2 * b_s2
     b_qk = tl.where(o_c[:, None] >= o_c[None, :], b_qk, 0.)
     b_kk = tl.where(o_c[:, None] > o_c[None, :], b_kk, 0.)
-    store_pair_block(A_base, K_base, b_qk, b_kk, scale, i_i, i_i, L, HV, BT, BC)
+    store_pair_block(A_base, Akk_base, b_qk, b_kk, scale, i_i, i_i, L, HV, BT, BC)
     if i_i > 0:
-        store_pair_block(A_base, K_base, b_qk0, b_kk0, scale, i_i, 0, L, HV, BT, BC)
+        store_pair_block(A_base, Akk_base, b_qk0, b_kk0, scale, i_i, 0, L, HV, BT, BC)
     if NC > 2:
         if i_i > 1:
-            store_pair_block(A_base, K_base, b_qk1, b_kk1, scale, i_i, 1, L, HV, BT, BC)
+            store_pair_block(A_base, Akk_base, b_qk1, b_kk1, scale, i_i, 1, L, HV, BT, BC)
     if NC > 3:
         if i_i > 2:
-            store_pair_block(A_base, K_base, b_qk2, b_kk2, scale, i_i, 2, L, HV, BT, BC)
+            store_pair_block(A_base, Akk_base, b_qk2, b_kk2, scale, i_i, 2, L, HV, BT, BC)
 
 
 @triton.jit
@@ -439,7 +439,7 @@ def chunk_solve_kernel(
     release_dependent(PDL)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     start, L = chunk_span(i_c, chunk_rows, T, NT, BT, IS_VARLEN)
-    K_base = Akk + start * HV * BT + i_hv * BT
+    Akk_base = Akk + start * HV * BT + i_hv * BT
     M_base = Minv + start * HV * BT + i_hv * BT
 
     # Block forward substitution on BC-row blocks, all in registers: the diagonal inverses
@@ -449,27 +449,27 @@ def chunk_solve_kernel(
     tl.static_assert(BT == 2 * BC or BT == 4 * BC, "chunks of 2 or 4 sub-blocks")
     NC: tl.constexpr = BT // BC
     beta_base = beta + start * HV + i_hv
-    b_A21 = beta_rows_block(K_base, beta_base, 1, 0, L, HV, BT, BC)
+    b_A21 = beta_rows_block(Akk_base, beta_base, 1, 0, L, HV, BT, BC)
     if NC == 2:
         b_M11, b_M22, _, _ = diagonal_inverses(
-            beta_diag_block_t(K_base, beta_base, 0, L, HV, BT, BC),
-            beta_diag_block_t(K_base, beta_base, 1, L, HV, BT, BC), b_A21, b_A21, BC, 2)
+            beta_diag_block_t(Akk_base, beta_base, 0, L, HV, BT, BC),
+            beta_diag_block_t(Akk_base, beta_base, 1, L, HV, BT, BC), b_A21, b_A21, BC, 2)
         b_M21 = -mm_fine(b_M22, mm_fine(b_A21, b_M11, DOT_DTYPE), DOT_DTYPE)
     else:
         b_M11, b_M22, b_M33, b_M44 = diagonal_inverses(
-            beta_diag_block_t(K_base, beta_base, 0, L, HV, BT, BC),
-            beta_diag_block_t(K_base, beta_base, 1, L, HV, BT, BC),
-            beta_diag_block_t(K_base, beta_base, 2, L, HV, BT, BC),
-            beta_diag_block_t(K_base, beta_base, 3, L, HV, BT, BC), BC, 4)
+            beta_diag_block_t(Akk_base, beta_base, 0, L, HV, BT, BC),
+            beta_diag_block_t(Akk_base, beta_base, 1, L, HV, BT, BC),
+            beta_diag_block_t(Akk_base, beta_base, 2, L, HV, BT, BC),
+            beta_diag_block_t(Akk_base, beta_base, 3, L, HV, BT, BC), BC, 4)
         b_M21 = -mm_fine(b_M22, mm_fine(b_A21, b_M11, DOT_DTYPE), DOT_DTYPE)
-        b_A31 = beta_rows_block(K_base, beta_base, 2, 0, L, HV, BT, BC)
-        b_A32 = beta_rows_block(K_base, beta_base, 2, 1, L, HV, BT, BC)
+        b_A31 = beta_rows_block(Akk_base, beta_base, 2, 0, L, HV, BT, BC)
+        b_A32 = beta_rows_block(Akk_base, beta_base, 2, 1, L, HV, BT, BC)
         b_M31 = -mm_fine(b_M33, mm_fine(b_A31, b_M11, DOT_DTYPE) + mm_fine(b_A32, b_M21, DOT_DTYPE),
                          DOT_DTYPE)
         b_M32 = -mm_fine(b_M33, mm_fine(b_A32, b_M22, DOT_DTYPE), DOT_DTYPE)
-        b_A41 = beta_rows_block(K_base, beta_base, 3, 0, L, HV, BT, BC)
-        b_A42 = beta_rows_block(K_base, beta_base, 3, 1, L, HV, BT, BC)
-        b_A43 = beta_rows_block(K_base, beta_base, 3, 2, L, HV, BT, BC)
+        b_A41 = beta_rows_block(Akk_base, beta_base, 3, 0, L, HV, BT, BC)
+        b_A42 = beta_rows_block(Akk_base, beta_base, 3, 1, L, HV, BT, BC)
+        b_A43 = beta_rows_block(Akk_base, beta_base, 3, 2, L, HV, BT, BC)
         b_M41 = -mm_fine(b_M44, mm_fine(b_A41, b_M11, DOT_DTYPE) + mm_fine(b_A42, b_M21, DOT_DTYPE)
                          + mm_fine(b_A43, b_M31, DOT_DTYPE), DOT_DTYPE)
         b_M42 = -mm_fine(b_M44, mm_fine(b_A42, b_M22, DOT_DTYPE) + mm_fine(b_A43, b_M32, DOT_DTYPE),

@@ -1,4 +1,4 @@
-"""Chunk stage 1+3 (backward): every per-token gradient of one chunk.
+"""The backward's per-chunk gradients: every per-token gradient of one chunk.
 
 Inputs per chunk: ``h_c`` and ``dh_c`` (state before the chunk, gradient of the state after it),
 ``dV`` (forward corrections) and ``d(dV)`` (from the state sweep), ``dO``, and the recomputed
@@ -273,8 +273,7 @@ def chunk_intra_bwd_kernel(
         b_c = load_tile(gc_base, 0, L, HV * K, i_k * BK, K, BT, BK)
         b_last = load_row(gc_base, L - 1, L, HV * K, i_k * BK, K, BK)
         # Each gradient finished and stored as soon as its inputs are (dq first): fewer tiles live
-        # at once. ptxas (triton 3.6, 64-wide, 8 warps): spills 1464 -> 828 B a thread; H200,
-        # (8, 4096, 16): 1.712 -> 1.696 ms a call (BENCHMARKS.md note 70).
+        # at once, fewer spills (docs/tuning.md, intra_bwd).
         b_e = exp_nonpos(b_c)
         b_dqt = b_dqt * b_e * scale
         store_tile(dq_base, b_dqt, 0, L, HV * K, i_k * BK, K, BT, BK)
@@ -331,10 +330,8 @@ def chunk_pair_bwd_kernel(
     b_kX = load_tile(k_base, X * BC, L, H * K, i_k * BK, K, BC, BK)
     b_cX = load_tile(gc_base, X * BC, L, HV * K, i_k * BK, K, BC, BK)
     # The diagonal blocks first, both sides in one helper: they share the factors and dP tiles,
-    # and only three [BC, BK] accumulators are live when the blocks below and beside it start.
-    # ptxas (triton 3.6, capped at 128 registers): spills 300 -> 124 B a thread, 520 -> 104 for
-    # the lower-bound build; H200, (8, 4096, 16): 1.779 -> 1.656 ms a call, Kimi configuration
-    # 1.717 -> 1.578 (BENCHMARKS.md note 69).
+    # and only three [BC, BK] accumulators are live when the blocks below and beside it start:
+    # fewer spills, faster (docs/tuning.md, pair_bwd: "diagonal blocks first").
     b_dq1, b_dk2, b_dkc = pair_diag_grads(dAqk + P_off, dAkk + P_off, q_base, k_base, gc_base, X,
                                           b_qX, b_kX, b_cX, i_k, L, HV * BT, H * K, HV * K, K, BC, BK,
                                           BOUNDED_DECAY, DOT_DTYPE)

@@ -1,7 +1,7 @@
 """Chunk stage 2: the state carried from chunk to chunk, with the WY transform applied inside.
 
 For each chunk in order, with incoming state ``S`` (``[K, V]``), ``M = (I + diag(beta) A')^-1``
-and the decayed keys ``Kg = k exp(c)``, ``Kbar = k exp(c_last - c)`` from stage 1::
+and the decayed keys ``Kg = k exp(c)``, ``Kbar = k exp(c_last - c)`` from the in-chunk stage::
 
     dV = M diag(beta) (V - Kg S)                 the chunk's delta-rule corrections (U - W S with
                                                  the WY form's W = M diag(beta) Kg, U = M diag(beta) V)
@@ -21,9 +21,9 @@ product transposed (``dV^T = (V^T - S^T Kg^T) diag(beta) M^T``,
 operand, which the tensor cores take from registers; the right operands are the chunk's loaded
 tiles. Held as is, the state and the corrections go through shared memory as right operands at
 every chunk step, the wait that dominated the few-program sweeps (ncu at (1, 32768, 32): 56 % of
-stalls; BENCHMARKS.md note 56). The kernels are written once for both (the ``*_o`` helpers of
+stalls; docs/tuning.md). The kernels are written once for both (the ``*_o`` helpers of
 ``chunk_common.py``). The fused forward sweep is always transposed; the carry and the gradient
-sweep only with few programs (``ops/chunk.py``, ``transposed_sweeps``). H200, ms a call,
+sweep only with few programs (``transposed_sweeps``, ``ops/chunk/launch.py``). H200, ms a call,
 transposed against not: (1, 32768, 32) carry 1.365 / 1.413, fused forward sweep
 1.549 / 1.811, gradient sweep 1.290 / 1.970; (8, 4096, 16) 0.369 / 0.346, 0.384 / 0.414,
 0.566 / 0.473 (why the transposed gradient sweep loses with many programs is not understood).
@@ -80,7 +80,7 @@ def carry_state(b_h, b_d, kbar, b_last, row0, n, i_hv, HV: tl.constexpr, K: tl.c
     after the corrections' products: each step then waited a memory round trip for it. H200, bf16
     inference forward (the fused sweep; the backward's carry, changed alike, was not timed
     apart): -0.03 to -0.10 ms at the benchmark's shapes, -0.099 on its varlen batch, nothing at
-    (1, 32768, 32) with the Kimi gate (its segments' sweeps wait on stage 1 there); bit for bit
+    (1, 32768, 32) with the Kimi gate (its segments' sweeps wait on the in-chunk stage there); bit for bit
     the same."""
     b_kbart = load_tile_ot(kbar + row0 * HV * K + i_hv * K, 0, n, HV * K, 0, K, BT, BK, TRANSPOSED)
     return b_h * rows_o(exp_nonpos(b_last), TRANSPOSED) + mm_o(b_kbart, b_d, DOT_DTYPE, TRANSPOSED)

@@ -3,7 +3,7 @@
 With ``dS`` the gradient of the state after chunk c (the final-state gradient for the last chunk)
 and the forward's ``O = Qt h_c + Aqk dV``, ``dV = M diag(beta) (V - Kg h_c)``,
 ``S' = Diag(exp(c_last)) h_c + Kbar^T dV`` (``Qt = scale q exp(c)``, ``Kg = k exp(c)``,
-``Kbar = k exp(c_last - c)``, from stage 1)::
+``Kbar = k exp(c_last - c)``, from the in-chunk stage)::
 
     dh_c  = dS                                           (kept for the per-chunk gradient stage)
     d(dV) = Aqk^T dO + Kbar dS

@@ -2,7 +2,7 @@
 
 For each chunk in order, with incoming state ``S``, the corrections ``dV`` and the state update of
 ``chunk_state.py`` (the WY transform applied inside), the query-key matrix ``Aqk`` (scale
-included) and the decayed queries ``Qt = scale q exp(c)`` (stage 1)::
+included) and the decayed queries ``Qt = scale q exp(c)`` (the in-chunk stage)::
 
     O = Qt S + Aqk dV
 

@@ -96,7 +96,7 @@ POSITIONAL_HINT = (" (fused_recurrent_kda's 6th and 7th positional arguments are
 
 # Value columns per program and warps. 32 columns: a 128 x 32 float32 state tile is 32 registers
 # a thread at 4 warps, and B * HV * V / 32 programs keep the chip busy from B = 1 (128 programs at
-# H = 32). benchmarks/sweep_decode.py edits this in place to time alternatives.
+# H = 32). `python -m benchmarks tune decode` edits this in place to time alternatives.
 DECODE_TUNING = dict(BV=32, num_warps=4)
 
 

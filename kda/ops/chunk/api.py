@@ -181,8 +181,7 @@ def chunk_kda(
         slots = StateSlots(*contiguous(initial_state_indices, has_initial_state))
     layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
-    # ops it took five float32 passes over [B, T, HV, K] each way (H200, (8, 4096, 16), Kimi
-    # configuration at 401e283: forward 3.31 ms against 2.90 ms with g pre-computed).
+    # ops it took five float32 passes over [B, T, HV, K] each way (docs/tuning.md, Memory).
     gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
     if inference:
         # A float32, contiguous beta that is not logits is what the kernels read, as it is.

@@ -71,7 +71,7 @@ def segment_bounds(T: int, BT: int, segments: int, ratio: float) -> list[tuple[i
     """``[t0, t1)`` of ``segments`` segments (at most one a chunk) of a ``T``-token sequence in
     whole ``BT``-token chunks, each ``ratio`` times as long as the one before it: one chunk each,
     the others shared by weight ``ratio ** i``, rounded down, what rounding left one each to the
-    first segments (``forward_segments``; ``benchmarks/sweep_segments.py`` times others)."""
+    first segments (``forward_segments``; ``python -m benchmarks tune segments`` times others)."""
     NT = cdiv(T, BT)
     S = min(segments, NT)
     weights = [ratio ** i for i in range(S)]

@@ -1,7 +1,7 @@
 """Launch tables of the chunk kernels: block sizes (capped by the head dims at launch,
 ``launch.launch_config``) and Triton launch options (``num_warps``, ``num_stages``, ``maxnreg``).
 
-Pure data. Chosen on the H200 with ``benchmarks/sweep.py`` and ``benchmarks/sweep_forward.py``,
+Pure data. Chosen on the H200 with ``python -m benchmarks tune stages`` and ``tune forward``,
 which edit these dicts in place to time alternatives; the figures behind every entry are in
 ``docs/tuning.md``. ``maxnreg`` caps the registers of a thread so that more programs fit an SM.
 The state slice ``[K, BV]`` of the state sweeps lives in registers in float32.
