@@ -108,6 +108,30 @@ def test_fullgraph_varlen_training_step_equals_eager():
         assert rel_err(b, a) < 1e-6
 
 
+def test_fullgraph_training_on_strided_views_equals_eager():
+    """q, k, v, g and beta as column slices of one packed tensor (a fused projection's output,
+    non-contiguous): the backward op reads them at their strides, as eager does."""
+    x = make_inputs(2, 40, H, HV, K, V)
+    h0 = make_state(2, HV, K, V)
+    widths = [H * K, H * K, HV * V, HV * K, HV]
+    packed = torch.cat([x[n].flatten(2) for n in 'qkvg'] + [x['beta']], -1)
+
+    def step(packed, h0):
+        parts = packed.split(widths, -1)
+        shapes = [(H, K), (H, K), (HV, V), (HV, K), (HV,)]
+        q, k, v, g, beta = (p.unflatten(-1, s) for p, s in zip(parts, shapes))
+        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        return o.square().sum() + ht.sum()
+
+    grads = []
+    for fn in (step, torch.compile(step, backend='aot_eager', fullgraph=True)):
+        leaves = [packed.clone().requires_grad_(), h0.clone().requires_grad_()]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for name, a, b in zip(['packed', 'h0'], *grads):
+        assert rel_err(b, a) < 1e-6, name
+
+
 def test_fullgraph_decode_step_updates_pool_in_place():
     model = TinyKDA()
     pool = make_state(5, HV, K, V)
@@ -121,6 +145,23 @@ def test_fullgraph_decode_step_updates_pool_in_place():
     assert rel_err(got, expected) < 1e-6
     assert rel_err(pool, expected_pool) < 1e-6
     assert not torch.equal(pool[3], make_state(5, HV, K, V)[3])
+
+
+def test_fullgraph_decode_backward_raises_as_in_eager():
+    """``fused_recurrent_kda`` has no backward: compiled, a loss through its output raises the
+    eager call's error (docs/API.md), not PyTorch's "does not require grad", and the forward
+    under grad mode still runs and gives the eager outputs."""
+    x = make_inputs(1, 4, H, HV, K, V)
+    x['v'].requires_grad_()
+
+    def step(**x):
+        return fused_recurrent_kda(**x)[0]
+
+    o = torch.compile(step, backend='aot_eager', fullgraph=True)(**x)
+    with torch.no_grad():
+        assert rel_err(o, step(**x)) < 1e-6
+    with pytest.raises(RuntimeError, match='fused_recurrent_kda has no backward pass'):
+        o.sum().backward()
 
 
 def test_dynamic_compiles_once_across_lengths_and_sequence_counts():

@@ -274,6 +274,9 @@ def launch_fused_recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
     )
 
 
+NO_BACKWARD = "fused_recurrent_kda has no backward pass (it is the decode/prefill kernel); train with chunk_kda"
+
+
 class ForwardOnly(torch.autograd.Function):
     """Puts the kernel's outputs in the autograd graph so that a backward through them raises,
     rather than the inputs' gradients silently missing this layer's contribution."""
@@ -287,5 +290,4 @@ class ForwardOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        raise RuntimeError("fused_recurrent_kda has no backward pass (it is the decode/prefill "
-                           "kernel); train with chunk_kda")
+        raise RuntimeError(NO_BACKWARD)

@@ -91,7 +91,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
     """``(o, [final_state] if output_final_state, [h] if store_states)``. ``beta`` is the
     caller's (logits under ``beta_kind`` 'sigmoid' / 'sigmoid2'); ``g`` the raw gate under
     ``gate_kind``. ``h``: float32 ``[total chunks, HV, K, V]`` in the kernels' key-major layout
-    (``total_chunks``; padding entries past the real chunks are unspecified)."""
+    (``total_chunks``; padding entries past the real chunks are zero)."""
     if not kernel_path(q):
         return reference_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
                              chunk_size, max_chunks, output_final_state, state_v_first, qk_l2norm,
@@ -104,7 +104,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
                                                    neg_eigval=beta_kind == 'sigmoid2')
     out = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                         cu_seqlens, layout, gate, store_states=store_states, l2norm=qk_l2norm,
-                        prepare_beta=prepare)
+                        prepare_beta=prepare, zero_unwritten=True)
     final = [out.final_state] if output_final_state else []
     return out.o, final, [out.h] if store_states else []
 
@@ -181,11 +181,11 @@ def chunk_fwd_train(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_
         o, final = chunk_kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state,
                                        qk_l2norm, cu_seqlens, state_v_first, chunk_size)
         return o, [final] if output_final_state else [], []
-    q, k, v, g, initial_state, cu_seqlens = contiguous(q, k, v, g, initial_state, cu_seqlens)
+    q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
     layout = op_layout(q, cu_seqlens, chunk_size, max_chunks)
     out = training_forward(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                            state_v_first, cu_seqlens, layout, qk_l2norm, gate_kind, lower_bound,
-                           disable_recompute)
+                           disable_recompute, zero_unwritten=True)
     return out.o, [out.final_state] if output_final_state else [], flatten_saved(out.saved, qk_l2norm)
 
 
@@ -226,6 +226,9 @@ def chunk_bwd(do: Tensor, dht: Optional[Tensor], q: Optional[Tensor], k: Optiona
     if not saved:
         return reference_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                              scale, chunk_size, state_v_first, qk_l2norm, gate_kind, lower_bound)
+    # The inputs as the caller gave them (the forward's dense copies are not kept): the kernels
+    # index with dense strides.
+    q, k, v, g, beta, initial_state, cu_seqlens = contiguous(q, k, v, g, beta, initial_state, cu_seqlens)
     layout = op_layout(v, cu_seqlens, chunk_size, max_chunks)
     grads = training_backward(unflatten_saved(list(saved), q, k, qk_l2norm), v, g, beta, A_log,
                               dt_bias, scale, initial_state, state_v_first, cu_seqlens, layout,
@@ -395,4 +398,49 @@ def fused_recurrent_traced(q, k, v, g, beta, A_log, dt_bias, problem, initial_st
         decode.gate_kind_of(use_gate_in_kernel, lower_bound),
         decode.beta_kind_of(use_beta_sigmoid_in_kernel, allow_neg_eigval), state_v_first,
         inplace_final_state)
+    inputs = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state) if x is not None]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        out = torch.ops.kda.forward_only(out, inputs)
     return out, final_state if output_final_state else None
+
+
+# ---------------------------------------------------------------------------------------------
+# kda::forward_only and kda::refuse_backward: fused_recurrent_kda's missing backward, traced.
+
+@torch.library.custom_op('kda::forward_only', mutates_args=())
+def forward_only(o: Tensor, inputs: list[Tensor]) -> Tensor:
+    """A copy of ``o`` (an op's output may not alias its input) in the autograd graph of
+    ``inputs``: a backward through it raises, as through eager ``fused_recurrent_kda``'s
+    ``ForwardOnly``, rather than the inputs' gradients silently missing that call's part. Its
+    formula traces (``kda::refuse_backward``) and raises only when run."""
+    return o.clone()
+
+
+@forward_only.register_fake
+def _(o, inputs):
+    return torch.empty_like(o)
+
+
+@torch.library.custom_op('kda::refuse_backward', mutates_args=())
+def refuse_backward(do: Tensor, inputs: list[Tensor]) -> list[Tensor]:
+    """``kda::forward_only``'s gradients: raises ``fused_recurrent_kda``'s error. It takes the
+    output's gradient ``do`` so that it belongs to the backward graph: with the inputs alone, the
+    partitioner of a compiled graph would move it into the forward."""
+    raise RuntimeError(decode.NO_BACKWARD)
+
+
+@refuse_backward.register_fake
+def _(do, inputs):
+    return [torch.empty_like(x) for x in inputs]
+
+
+def _setup_forward_only(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[1])
+
+
+def _backward_forward_only(ctx, do):
+    return None, torch.ops.kda.refuse_backward(do, list(ctx.saved_tensors))
+
+
+torch.library.register_autograd('kda::forward_only', _backward_forward_only,
+                                setup_context=_setup_forward_only)

@@ -43,7 +43,7 @@ class ForwardOutputs(NamedTuple):
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
                   store_states: bool = False, l2norm: bool = False, unit_keys: bool = False,
-                  prepare_beta=None) -> ForwardOutputs:
+                  prepare_beta=None, zero_unwritten: bool = False) -> ForwardOutputs:
     """The forward: the in-chunk stage, then the fused state sweep and outputs. ``l2norm``
     (inference with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products
     normalize the rows they read (``chunk_pair_fwd_kernel``). ``unit_keys``: k's rows are
@@ -53,7 +53,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     ``prepare_beta(out, beta)`` writes the float32 copy the kernels read (``kernel_beta``); it
     runs on the side stream beside the first cumsum, which does not read it, and not at the head
     of the current stream's chain (at SEGMENT_MIN_TOKEN_HEADS and above; docs/tuning.md,
-    "beta").
+    "beta"). ``zero_unwritten``: the entries no kernel writes, the in-chunk matrices' blocks
+    above the diagonal and the padding entries of ``h`` (a device-built map's), are zero rather
+    than unspecified, as a ``torch.library`` op's outputs must be (a memset of each, which the
+    launchers' direct calls skip: nothing reads those entries).
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
@@ -70,7 +73,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     dev, dt = q.device, q.dtype
     blocks = state_launch_config('state_output', K, V, N * HV, dev, dt, cu_seqlens is not None)
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
+    alloc = torch.zeros if zero_unwritten else torch.empty
+    h = alloc(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     final_state = torch.empty(shape, dtype=torch.float32, device=dev) if output_final_state else None
 
@@ -86,6 +90,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     all_near = (l2norm or unit_keys) and bounded_decay(gate)
     segments = forward_segments(B, T, HV, K, V, layout, cu_seqlens, store_states, dev)
     intra = in_chunk_buffers(B, T, HV, K, layout.BT, dev, dt)
+    if zero_unwritten:
+        for matrix in intra.matrices:
+            matrix.zero_()
     side = None
     try:
         if prepare_beta is not None:

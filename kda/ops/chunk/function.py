@@ -43,17 +43,19 @@ class TrainingForward(NamedTuple):
 
 def training_forward(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                      state_v_first, cu_seqlens, layout: ChunkLayout, qk_l2norm: bool,
-                     gate_kind: str | None, lower_bound: float, disable_recompute: bool
-                     ) -> TrainingForward:
+                     gate_kind: str | None, lower_bound: float, disable_recompute: bool,
+                     zero_unwritten: bool = False) -> TrainingForward:
     """The forward of ``ChunkKDAFunction`` (and of the ``kda::chunk_fwd_train`` op): outputs,
-    final state and what the backward reads. ``beta`` is the float32 activated beta."""
+    final state and what the backward reads. ``beta`` is the float32 activated beta;
+    ``zero_unwritten`` as in ``chunk_kda_fwd``."""
     rq = rk = None
     qn, kn = q, k
     if qk_l2norm:
         (qn, rq), (kn, rk) = l2norm_fwd(q, k)
     gate = None if gate_kind is None else KernelGate(gate_kind, A_log, dt_bias, lower_bound)
     out = chunk_kda_fwd(qn, kn, v, g, beta, scale, initial_state, output_final_state,
-                        state_v_first, cu_seqlens, layout, gate, unit_keys=qk_l2norm)
+                        state_v_first, cu_seqlens, layout, gate, unit_keys=qk_l2norm,
+                        zero_unwritten=zero_unwritten)
     o, final_state, intra = out.o, out.final_state, out.intra
     out = None
     # Kept either way: the in-chunk matrices, [B, T, HV, BT] each (at BT = 64, K = V = 128,
