@@ -124,12 +124,13 @@ def test_cp_context_must_come_from_build_cp_context():
         chunk_kda(**inputs(), cp_context=object())
 
 
-@pytest.mark.parametrize('option,value,exc', [('use_graph', True, ValueError),
-                                              ('max_num_seqs', 4, ValueError),
-                                              ('use_graph', 'yes', TypeError)])
-def test_graph_options_are_refused_for_now(option, value, exc):
-    with pytest.raises(exc, match=option + (' must be a bool' if exc is TypeError else '.*not supported yet')):
-        chunk_kda(**inputs(), **{option: value})
+@pytest.mark.parametrize('options,exc,message', [
+    ({'use_graph': 'yes'}, TypeError, 'use_graph must be a bool'),
+    ({'max_num_seqs': 4}, ValueError, 'without use_graph=True'),
+    ({'use_graph': True, 'max_num_seqs': True}, TypeError, 'max_num_seqs must be an int')])
+def test_graph_options_are_checked(options, exc, message):
+    with pytest.raises(exc, match=message):
+        chunk_kda(**inputs(), **options)
 
 
 @pytest.mark.parametrize('fn', FUNCTIONS.values(), ids=FUNCTIONS.keys())

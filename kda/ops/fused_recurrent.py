@@ -5,6 +5,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from kda.kernels.fused_recurrent import fused_recurrent_kda_kernel
+from kda.ops import library
 from kda.ops.gate import activate_beta, activate_gate
 from kda.ops.utils import cdiv, contiguous, next_pow2, on_q_device, state_strides, use_kernels
 from kda.ops.validation import (_expect_shape, _expect_tensor, _expect_bool, refuse_shared_slots,
@@ -165,15 +166,26 @@ def fused_recurrent_kda(
     backward pass: a backward through ``o`` raises (train with ``chunk_kda``).
     """
     state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
+    # Compiling: cu_seqlens' values are not read on the host (docs/API.md).
+    compiling = torch.compiler.is_compiling()
     problem, offsets = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
                                        cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
-                                       check_state=False, channel_beta=True)
+                                       check_state=False, channel_beta=True, read_offsets=not compiling)
     params = validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
                                   safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                                   positional_hint=POSITIONAL_HINT)
     A_log, dt_bias, lower_bound = params.A_log, params.dt_bias, params.lower_bound
     _validate_serving(problem, offsets, q, initial_state, state_v_first, inplace_final_state,
                       ssm_state_indices, num_accepted_tokens, out, final_state_dtype)
+    if compiling:
+        if num_accepted_tokens is not None or final_state_dtype is not None:
+            raise ValueError("num_accepted_tokens and final_state_dtype are not traceable by "
+                             "torch.compile yet; call fused_recurrent_kda outside the compiled region")
+        # One opaque op in the traced graph (docs/API.md, "torch.compile and CUDA graphs").
+        return library.fused_recurrent_traced(
+            q, k, v, g, beta, A_log, dt_bias, problem, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, cu_seqlens, state_v_first, inplace_final_state, ssm_state_indices, out)
     if not use_kernels(q):
         if use_gate_in_kernel:
             g = activate_gate(g, A_log, dt_bias, lower_bound)
@@ -202,34 +214,14 @@ def fused_recurrent_kda(
                          dtype=final_state_dtype or torch.float32)
     else:
         ht = None
-    num_slots = initial_state.shape[0] if initial_state is not None else N
-    slots_per_seq = ssm_state_indices.shape[1] if num_accepted_tokens is not None else 1
-    stride_sk, stride_sv = state_strides(K, V, state_v_first)
-    BK = next_pow2(K)
-    BV = min(next_pow2(V), DECODE_TUNING['BV'])
-    grid = (N * HV * cdiv(V, BV),)
-    # The gate's parameters, dense (a no-op for the [HV] / [HV * K] vectors the API takes).
-    gate = dict(A_log=A_log, dt_bias=dt_bias) if use_gate_in_kernel else dict(A_log=None, dt_bias=None)
-    gate = {n: None if t is None else t.detach().contiguous() for n, t in gate.items()}
+    gate_kind = gate_kind_of(use_gate_in_kernel, lower_bound)
 
     def launch():
-        fused_recurrent_kda_kernel[grid](
-            q, k, v, g, beta, out, initial_state, ht, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-            *gate.values(), problem.scale, float(lower_bound or 0.0), T, num_slots, slots_per_seq,
-            stride_sk, stride_sv,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-            USE_L2NORM=use_qk_l2norm_in_kernel,
-            IS_VARLEN=cu_seqlens is not None,
-            USE_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=ht is not None,
-            USE_STATE_INDICES=ssm_state_indices is not None,
-            SPECULATIVE=num_accepted_tokens is not None,
-            CHANNEL_BETA=beta.dim() == 4,
-            GATE='none' if not use_gate_in_kernel else 'softplus' if lower_bound is None else 'sigmoid',
-            BETA=('none' if not use_beta_sigmoid_in_kernel else 'sigmoid2' if allow_neg_eigval
-                  else 'sigmoid'),
-            num_warps=DECODE_TUNING['num_warps'],
-        )
+        launch_fused_recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                               ssm_state_indices, out, ht, problem.scale, float(lower_bound or 0.0),
+                               use_qk_l2norm_in_kernel, gate_kind,
+                               beta_kind_of(use_beta_sigmoid_in_kernel, allow_neg_eigval), state_v_first,
+                               num_accepted_tokens)
         return out, (ht if output_final_state else None)
 
     inputs = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state) if x is not None]
@@ -247,6 +239,59 @@ def fused_recurrent_kda(
     return result
 
 
+def gate_kind_of(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
+    """The kernel's ``GATE``: ``'none'`` (g is the log-decay), ``'softplus'`` or ``'sigmoid'``
+    (the lower-bound gate), as ``kernels/gate.py`` names them."""
+    return 'none' if not use_gate_in_kernel else 'softplus' if lower_bound is None else 'sigmoid'
+
+
+def beta_kind_of(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> str:
+    """The kernel's ``BETA``: ``'none'`` (beta as given), ``'sigmoid'``, or ``'sigmoid2'``
+    (2 * sigmoid, ``allow_neg_eigval``)."""
+    return 'none' if not use_beta_sigmoid_in_kernel else 'sigmoid2' if allow_neg_eigval else 'sigmoid'
+
+
+def launch_fused_recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                           ssm_state_indices, out, final_state, scale: float, lower_bound: float,
+                           qk_l2norm: bool, gate_kind: str, beta_kind: str, state_v_first: bool,
+                           num_accepted_tokens=None) -> None:
+    """The recurrence kernel on dense tensors: writes ``out`` and, where given, ``final_state``
+    (which may be ``initial_state`` itself, the pool updated in place). ``A_log`` / ``dt_bias``
+    are read only under the in-kernel gate (``gate_kind`` not ``'none'``); ``num_accepted_tokens``
+    with ``ssm_state_indices`` ``[N, T_idx]``: speculative decoding; a ``[B, T, HV, V]`` beta: one
+    write strength per value column. The eager path and the ``kda::fused_recurrent`` op both
+    launch through here."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    num_slots = initial_state.shape[0] if initial_state is not None else N
+    slots_per_seq = ssm_state_indices.shape[1] if num_accepted_tokens is not None else 1
+    BK = next_pow2(K)
+    BV = min(next_pow2(V), DECODE_TUNING['BV'])
+    # The gate's parameters, dense (a no-op for the [HV] / [HV * K] vectors the API takes).
+    if gate_kind == 'none':
+        A_log = dt_bias = None
+    A_log, dt_bias = (None if t is None else t.detach().contiguous() for t in (A_log, dt_bias))
+    fused_recurrent_kda_kernel[(N * HV * cdiv(V, BV),)](
+        q, k, v, g, beta, out, initial_state, final_state, cu_seqlens, ssm_state_indices,
+        num_accepted_tokens, A_log, dt_bias, scale, lower_bound, T, num_slots, slots_per_seq,
+        *state_strides(K, V, state_v_first),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        USE_L2NORM=qk_l2norm,
+        IS_VARLEN=cu_seqlens is not None,
+        USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=final_state is not None,
+        USE_STATE_INDICES=ssm_state_indices is not None,
+        SPECULATIVE=num_accepted_tokens is not None,
+        CHANNEL_BETA=beta.dim() == 4,
+        GATE=gate_kind, BETA=beta_kind,
+        num_warps=DECODE_TUNING['num_warps'],
+    )
+
+
+NO_BACKWARD = "fused_recurrent_kda has no backward pass (it is the decode/prefill kernel); train with chunk_kda"
+
+
 class ForwardOnly(torch.autograd.Function):
     """Puts the kernel's outputs in the autograd graph so that a backward through them raises,
     rather than the inputs' gradients silently missing this layer's contribution."""
@@ -260,5 +305,4 @@ class ForwardOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        raise RuntimeError("fused_recurrent_kda has no backward pass (it is the decode/prefill "
-                           "kernel); train with chunk_kda")
+        raise RuntimeError(NO_BACKWARD)

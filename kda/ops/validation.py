@@ -77,8 +77,11 @@ def _gate_dtypes(q_dtype: torch.dtype) -> str:
 
 
 def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
-                        cu_seqlens_cpu=None) -> tuple[int, list[int] | None]:
+                        cu_seqlens_cpu=None, read_offsets: bool = True) -> tuple[int, list[int] | None]:
     """Checks ``cu_seqlens`` and returns (number of sequences, host copy of the offsets or None).
+
+    Without ``read_offsets`` (``use_graph``, ``torch.compile``) only its type, shape and device
+    are checked, and neither it nor ``cu_seqlens_cpu`` is read: the host copy is None.
 
     The host copy is taken from ``cu_seqlens_cpu`` when given, else by one device sync. Where
     ``cu_seqlens`` itself is on the CPU (reading it costs no sync) the two must agree; a device
@@ -98,6 +101,13 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
         raise ValueError(f"cu_seqlens must be on {device} like q, got {cu_seqlens.device}")
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch must be packed into B = 1, got B = {B}")
+    if not read_offsets:
+        if cu_seqlens_cpu is not None:
+            _expect_tensor('cu_seqlens_cpu', cu_seqlens_cpu)
+        if cu_seqlens_cpu is not None and cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must have the shape of cu_seqlens {list(cu_seqlens.shape)}, "
+                             f"got {list(cu_seqlens_cpu.shape)}")
+        return cu_seqlens.shape[0] - 1, None
     if cu_seqlens_cpu is not None:
         _expect_tensor('cu_seqlens_cpu', cu_seqlens_cpu)
         if cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
@@ -141,12 +151,13 @@ def validate_state(name: str, state, N: int, HV: int, K: int, V: int, state_v_fi
 
 def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                     state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu=None,
-                    check_state: bool = True, channel_beta: bool = False) -> tuple[Problem, list[int] | None]:
+                    check_state: bool = True, channel_beta: bool = False,
+                    read_offsets: bool = True) -> tuple[Problem, list[int] | None]:
     """Checks the arguments common to ``chunk_kda`` and ``fused_recurrent_kda``.
 
     ``channel_beta``: beta may also be ``[B, T, HV, V]``, one write strength per value column
     (``fused_recurrent_kda``). Returns the problem sizes and, for varlen calls, the host copy of
-    ``cu_seqlens``.
+    ``cu_seqlens`` (None without ``read_offsets``: see ``validate_cu_seqlens``).
     """
     for name, x in (('q', q), ('k', k), ('v', v), ('g', g), ('beta', beta)):
         _expect_tensor(name, x)
@@ -193,7 +204,7 @@ def validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, 
         # The kernels take scale as a float32: beyond its range it is inf there, and so is q * scale.
         if not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
             raise ValueError(f"scale must be finite as a float32 (|scale| <= {FLOAT32_MAX:.7g}), got {scale}")
-    N, offsets = validate_cu_seqlens(cu_seqlens, B, T, device, cu_seqlens_cpu)
+    N, offsets = validate_cu_seqlens(cu_seqlens, B, T, device, cu_seqlens_cpu, read_offsets)
     if check_state:
         validate_state('initial_state', initial_state, N, HV, K, V, state_v_first, device)
     return Problem(B, T, H, HV, K, V, N, float(scale)), offsets
@@ -298,15 +309,22 @@ def resolve_state_v_first(state_v_first, transpose_state_layout) -> bool:
     return transpose_state_layout
 
 
-def refuse_unsupported(use_graph, max_num_seqs) -> None:
-    """FLA's CUDA-graph varlen options: accepted at their defaults only."""
+def validate_graph_options(use_graph, max_num_seqs, cu_seqlens, cp_context) -> None:
+    """FLA's CUDA-graph varlen options: ``use_graph`` (the chunk map built on the device at a
+    fixed size) and ``max_num_seqs``, its sequence bound, which ``cu_seqlens`` must be padded to
+    with zero-length sequences (``max_num_seqs + 1`` entries)."""
     _expect_bool('use_graph', use_graph)
-    if use_graph:
-        raise ValueError("use_graph=True (a fixed-shape varlen chunk map for CUDA-graph capture) is "
-                         "not supported yet; expected False")
     if max_num_seqs is not None:
-        raise ValueError(f"max_num_seqs (the sequence bound of use_graph) is not supported yet; "
-                         f"got {max_num_seqs!r}, expected None")
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
+            raise TypeError(f"max_num_seqs must be an int or None, got {type(max_num_seqs).__name__}")
+        if not use_graph:
+            raise ValueError(f"max_num_seqs (the sequence bound of use_graph=True) was given without "
+                             f"use_graph=True; got max_num_seqs={max_num_seqs}")
+        if cu_seqlens is not None and cu_seqlens.shape[0] - 1 != max_num_seqs:
+            raise ValueError(f"with use_graph=True, cu_seqlens must be padded with zero-length sequences "
+                             f"to max_num_seqs + 1 = {max_num_seqs + 1} entries, got {cu_seqlens.shape[0]}")
+    if use_graph and cp_context is not None:
+        raise ValueError("use_graph=True cannot be combined with cp_context (context parallelism)")
 
 
 def warn_if_head_first(problem: Problem) -> None:

@@ -12,16 +12,17 @@ from torch.autograd.graph import increment_version
 
 from kda.ops.chunk.forward import StateSlots, chunk_kda_fwd
 from kda.ops.chunk.function import ChunkKDAFunction
-from kda.ops.chunk.layout import chunk_layout
+from kda.ops import library
+from kda.ops.chunk.layout import chunk_layout, device_chunk_layout, max_varlen_chunks
 from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
-from kda.ops.utils import INTERPRET, contiguous, on_q_device, use_kernels
+from kda.ops.utils import contiguous, on_q_device
 from kda.ops.validation import (
     _expect_bool,
     cast_intermediate_states,
-    refuse_unsupported,
     resolve_state_v_first,
     validate_activations,
     validate_chunk_size,
+    validate_graph_options,
     validate_inputs,
     validate_pool_prefill,
     validate_states_dtype,
@@ -89,8 +90,13 @@ def chunk_kda(
 
     FLA's other arguments: ``transpose_state_layout``, its deprecated name of ``state_v_first``
     (taken with a ``DeprecationWarning``); ``cp_context`` (from ``kda.cp.build_cp_context``) runs
-    the call context-parallel (docs/cp.md); ``use_graph`` and ``max_num_seqs`` (CUDA-graph varlen)
-    are not supported yet and must keep their defaults.
+    the call context-parallel (docs/cp.md); ``use_graph`` builds the varlen chunk map on the
+    device at a fixed size, without reading ``cu_seqlens`` (its values are then not checked), so
+    that a captured CUDA graph replays with new ``cu_seqlens`` of as many entries:
+    ``max_num_seqs`` (default ``cu_seqlens.shape[0] - 1``) sequences, zero-length ones padding
+    (docs/API.md, "torch.compile and CUDA graphs"). The intermediate states ``h`` then have
+    ``ceil(T / chunk_size) + max_num_seqs - 1`` chunks, those past the real chunks unspecified.
+    Under ``torch.compile`` varlen calls take that map too.
 
     Serving (docs/API.md, "State pools"), forward only: ``initial_state`` may be a pool
     ``[P, HV, K, V]`` with ``initial_state_indices`` ``[N]`` (and ``inplace_final_state=True``):
@@ -100,10 +106,10 @@ def chunk_kda(
     and touches nothing. ``inplace_final_state=True`` without indices overwrites
     ``initial_state`` ``[N, ...]``. States may be float32, bfloat16 or float16 (computed in
     float32, rounded once where stored); ``final_state_dtype`` is a new final state's dtype
-    (float32 when None).
+    (float32 when None); not yet traceable by ``torch.compile``.
     """
     state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
-    refuse_unsupported(use_graph, max_num_seqs)
+    validate_graph_options(use_graph, max_num_seqs, cu_seqlens, cp_context)
     serving = (initial_state_indices is not None or has_initial_state is not None
                or inplace_final_state is not False or final_state_dtype is not None)
     if cp_context is not None and serving:
@@ -121,9 +127,13 @@ def chunk_kda(
             state_v_first=state_v_first, disable_recompute=disable_recompute,
             return_intermediate_states=return_intermediate_states)
     validate_states_dtype(intermediate_states_dtype)
+    compiling = torch.compiler.is_compiling()
+    # The chunk map built on the device, at a fixed size: cu_seqlens is not read on the host.
+    device_map = cu_seqlens is not None and (use_graph or compiling)
     problem, offsets = validate_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
                                        cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
-                                       check_state=initial_state_indices is None)
+                                       check_state=initial_state_indices is None,
+                                       read_offsets=not device_map)
     params = validate_activations(problem.HV, problem.K, q.device, use_gate_in_kernel, A_log, dt_bias,
                                   safe_gate, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     A_log, dt_bias, lower_bound = params.A_log, params.dt_bias, params.lower_bound
@@ -139,10 +149,22 @@ def chunk_kda(
     validate_pool_prefill(problem, q.device, initial_state, state_v_first, initial_state_indices,
                           has_initial_state, inplace_final_state, final_state_dtype, needs_grad)
 
+    inference = return_intermediate_states or not needs_grad
+    if compiling and serving:
+        raise ValueError("initial_state_indices, has_initial_state, inplace_final_state and "
+                         "final_state_dtype are not traceable by torch.compile yet; call chunk_kda "
+                         "outside the compiled region (torch.compiler.disable) for pool prefill")
+    if compiling:
+        # One opaque op in the traced graph (docs/API.md, "torch.compile and CUDA graphs").
+        return library.chunk_kda_traced(
+            q, k, v, g, beta, problem, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, cu_seqlens, chunk_size, state_v_first, disable_recompute,
+            return_intermediate_states, intermediate_states_dtype, inference)
     # Not bf16 in Triton's interpreter: its tl.dot multiplies bf16 operands' raw bit patterns
     # (triton-lang/triton#11584), and the kernels' answer is finite garbage there (relative error
     # ~3e11 against the reference at (1, 64, 1, 1, 16, 16)); the PyTorch path serves those calls.
-    if not use_kernels(q) or (INTERPRET and q.dtype == torch.bfloat16):
+    if not library.kernel_path(q):
         if use_beta_sigmoid_in_kernel:
             beta = activate_beta(beta, allow_neg_eigval)
         if use_gate_in_kernel:
@@ -159,6 +181,10 @@ def chunk_kda(
                                          return_intermediate_states)
             result = _place_final_state(result, initial_state, output_final_state, inplace_final_state,
                                         final_state_dtype)
+        if device_map and return_intermediate_states:
+            # The kernels' device-built map's size (use_graph).
+            h = library.pad_chunk_states(result[2][0], max_varlen_chunks(problem.T, chunk_size, problem.N))
+            result = (*result[:2], h.unsqueeze(0))
         return cast_intermediate_states(result, intermediate_states_dtype)
     # The kernels read beta in float32 (a [B, T, HV] copy, which training keeps for the backward:
     # 4 bytes a token-head, 1 / K of q's float32 size; test_saved_for_backward): the state
@@ -170,7 +196,6 @@ def chunk_kda(
     # activated beta was float32 already. One copy, contiguous, whatever beta's strides: in
     # training here, through autograd; in inference inside chunk_kda_fwd, off the head of its
     # chain (``prepare_beta``).
-    inference = return_intermediate_states or not needs_grad
     if not inference:
         if use_beta_sigmoid_in_kernel:
             beta = activate_beta(beta, allow_neg_eigval)
@@ -179,7 +204,11 @@ def chunk_kda(
     slots = None
     if initial_state_indices is not None:
         slots = StateSlots(*contiguous(initial_state_indices, has_initial_state))
-    layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
+    if device_map:
+        layout = device_chunk_layout(chunk_size, problem.T, cu_seqlens,
+                                     max_varlen_chunks(problem.T, chunk_size, problem.N))
+    else:
+        layout = chunk_layout(problem.B, problem.T, chunk_size, offsets, cu_seqlens)
     # The gate's activation runs in the first kernel, forward and backward recompute: as PyTorch
     # ops it took five float32 passes over [B, T, HV, K] each way (docs/tuning.md, Memory).
     gate = KernelGate.of(A_log, dt_bias, lower_bound) if use_gate_in_kernel else None

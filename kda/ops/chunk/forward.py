@@ -55,7 +55,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
                   cu_seqlens, layout: ChunkLayout, gate: KernelGate | None = None,
                   store_states: bool = False, l2norm: bool = False, unit_keys: bool = False,
                   prepare_beta=None, slots: StateSlots | None = None, inplace: bool = False,
-                  final_state_dtype: torch.dtype | None = None) -> ForwardOutputs:
+                  final_state_dtype: torch.dtype | None = None,
+                  zero_unwritten: bool = False) -> ForwardOutputs:
     """The forward: the in-chunk stage, then the fused state sweep and outputs. ``l2norm``
     (inference with ``use_qk_l2norm_in_kernel``): q and k are raw, and the pair products
     normalize the rows they read (``chunk_pair_fwd_kernel``). ``unit_keys``: k's rows are
@@ -69,6 +70,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     (``StateSlots``), and returned as the final state. ``inplace``: the final state is written
     into ``initial_state`` and returned. ``final_state_dtype``: a new final state's dtype
     (float32 when None; rounded once, at the store).
+    ``zero_unwritten``: the entries no kernel writes, the in-chunk matrices' blocks
+    above the diagonal and the padding entries of ``h`` (a device-built map's), are zero rather
+    than unspecified, as a ``torch.library`` op's outputs must be (a memset of each, which the
+    launchers' direct calls skip: nothing reads those entries).
 
     Where ``forward_segments`` cuts the sequence, each segment's sweep runs on a side stream,
     starting from the state the previous segment's sweep left in a float32 buffer, while the
@@ -87,7 +92,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     dev, dt = q.device, q.dtype
     blocks = state_launch_config('state_output', K, V, N * HV, dev, dt, cu_seqlens is not None)
     o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    h = torch.empty(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
+    alloc = torch.zeros if zero_unwritten else torch.empty
+    h = alloc(layout.total, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     if slots is not None or inplace:
         final_state = initial_state
@@ -119,6 +125,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, st
     segments = None if slots is not None else forward_segments(B, T, HV, K, V, layout, cu_seqlens,
                                                                 store_states, dev)
     intra = in_chunk_buffers(B, T, HV, K, layout.BT, dev, dt)
+    if zero_unwritten:
+        for matrix in intra.matrices:
+            matrix.zero_()
     side = None
     try:
         if prepare_beta is not None:

@@ -5,6 +5,15 @@ Fixed length: ``NT = ceil(T / BT)`` chunks a sequence, ``B * NT`` in all; chunk 
 ``n`` covers rows ``[cu[n], cu[n + 1])`` and has ``ceil((cu[n + 1] - cu[n]) / BT)`` chunks,
 numbered globally in sequence order; the map gives every global chunk its first row and its valid
 rows, and every sequence its first global chunk.
+
+The device-built map (``device_chunk_layout``: CUDA-graph replay with new ``cu_seqlens``, and
+``torch.compile``) has a fixed number of entries, a bound on the chunk count of any ``N``
+sequences of ``T`` tokens in all::
+
+    sum_n ceil(L_n / BT) <= ceil(T / BT) + N - 1
+
+Entries past the real chunks are padding, ``(0, 0)``: no valid rows, which every chunk kernel
+reads as nothing to load or store. The real entries are the host-built map's, value for value.
 """
 from __future__ import annotations
 
@@ -63,6 +72,38 @@ def chunk_layout(B: int, T: int, BT: int, seq_offsets: list[int] | None,
     layout = varlen_chunk_layout(BT, seq_offsets, cu_seqlens)
     _last_varlen_layout = (key, layout)
     return layout
+
+
+def max_varlen_chunks(T: int, BT: int, N: int) -> int:
+    """The device-built map's fixed size: at most this many chunks cover ``N`` sequences of ``T``
+    tokens in all. The whole chunks number at most ``floor(T / BT)``; of the at most ``N`` partial
+    ones, the first is counted by rounding ``T / BT`` up (their leftover rows are at least one)."""
+    return cdiv(T, BT) + N - 1
+
+
+def device_chunk_layout(BT: int, T: int, cu_seqlens: torch.Tensor, max_chunks: int) -> ChunkLayout:
+    """``chunk_layout``'s varlen map built from ``cu_seqlens`` on its device alone, without
+    reading it back: ``max_chunks`` entries (``max_varlen_chunks``), those past the real chunks
+    padding ``(0, 0)``. Fixed shapes throughout, so a captured CUDA graph replays it for new
+    ``cu_seqlens`` of as many entries and a ``torch.compile`` trace holds no host read."""
+    cu = cu_seqlens.long()
+    N = cu.shape[0] - 1
+    counts = (cu[1:] - cu[:-1] + BT - 1) // BT
+    ends = counts.cumsum(0)
+    offsets = torch.nn.functional.pad(ends, (1, 0))
+    chunk = torch.arange(max_chunks, device=cu.device)
+    # The sequence of each chunk: the first whose chunks end past it (empty sequences skipped);
+    # N for padding.
+    seq = torch.searchsorted(ends, chunk, right=True)
+    real = seq < N
+    seq = seq.clamp(max=N - 1)
+    first = cu[seq] + (chunk - offsets[seq]) * BT
+    valid = torch.clamp(cu[seq + 1] - first, max=BT)
+    zero = torch.zeros((), dtype=first.dtype, device=cu.device)
+    rows = torch.stack([torch.where(real, first, zero), torch.where(real, valid, zero)], 1)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    rows = rows.int() if T < 2 ** 31 else rows
+    return ChunkLayout(BT, 0, max_chunks, rows, offsets.int(), order.int())
 
 
 def varlen_chunk_layout(BT: int, seq_offsets: list[int], cu_seqlens: torch.Tensor) -> ChunkLayout:
