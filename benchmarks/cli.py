@@ -8,7 +8,7 @@ from . import compare, report, run, tune
 
 DESCRIPTION = """Benchmarks of kda beside flash-linear-attention (FLA) and FlashKDA.
 
-  run       time the forward, forward + backward and decode tables and the throughput plot;
+  run       time the chunk, decode, layer, serving and compile tables and the throughput plot;
             write the results record (JSON) and BENCHMARKS.md from it
   report    write BENCHMARKS.md again from a results record
   tune      launch-setting sweeps of our kernels

@@ -17,6 +17,13 @@ from . import cases
 
 PLOT_NAME = 'forward_throughput.png'
 MODE_TITLES = {'fwd': 'chunk_kda forward (inference mode)', 'fwdbwd': 'chunk_kda forward + backward'}
+SERVING_TITLES = {
+    'decode': 'Decode step (T = 1) through a pool of 2B slots',
+    'graph': 'Decode steps at B = 1, one pool a layer, captured in one CUDA graph: time per step',
+    'prefill': 'chunk_kda prefill, float32 pool: slot indices against gather + call + scatter',
+    'speculative': 'Speculative decode (ssm_state_indices [N, T], num_accepted_tokens) against single steps',
+}
+UNIT_SECONDS = {'ms': 1e-3, 'us': 1e-6}
 
 
 def _num(x, spec: str) -> str:
@@ -159,18 +166,60 @@ def profile_table(section: dict, record: dict) -> str:
     return f"{title}\n\n{_table(['kernel', 'ms per step', 'launches per step'], rows)}"
 
 
-def layer_table(section: dict, record: dict) -> str:
+def _unit_table(section: dict, baseline: str) -> str:
+    """Rows of ``times`` in each row's ``unit``: a column an implementation that ran, then each
+    other one's time over ``baseline``'s; the errors below."""
     ran = _ran(section, 'times')
-    others = [n for n in ran if n != 'ours']
-    title = (f"## KDA layer beside FLA's, hidden {section['hidden']}, H = {section['H']}, "
-             f"K = V = {section['K']}, bf16 ({_commit_note(section, record)})")
-    headers = ['case', 'unit'] + ran + [f"{n} / ours" for n in others]
+    others = [n for n in ran if n != baseline]
+    headers = ['case', 'unit'] + ran + [f"{n} / {baseline}" for n in others]
     rows = []
     for row in section['rows']:
         times = row['times']
         rows.append([row['case'], row['unit']] + [_num(times.get(n), '.3f') for n in ran]
-                    + [_num(_ratio(times.get(n), times.get('ours')), '.2f') for n in others])
-    return f"{title}\n\n{_table(headers, rows)}{_error_block(_errors(section))}"
+                    + [_num(_ratio(times.get(n), times.get(baseline)), '.2f') for n in others])
+    return f"{_table(headers, rows)}{_error_block(_errors(section))}"
+
+
+def layer_table(section: dict, record: dict) -> str:
+    title = (f"## KDA layer beside FLA's, hidden {section['hidden']}, H = {section['H']}, "
+             f"K = V = {section['K']}, bf16 ({_commit_note(section, record)})")
+    return f"{title}\n\n{_unit_table(section, 'ours')}"
+
+
+def compile_table(section: dict, record: dict) -> str:
+    title = (f"## torch.compile beside eager, ours, H = {section['H']}, K = V = {section['K']}, bf16 "
+             f"({_commit_note(section, record)})")
+    return f"{title}\n\n{_unit_table(section, 'eager')}"
+
+
+def _pool_table(table: dict) -> str:
+    """One serving table: times in the table's unit, each other implementation's time over the
+    first one's, the state bytes a row moves and the bandwidth that makes."""
+    unit = table['unit']
+    ran = _ran(table, unit)
+    baseline = table['implementations'][0]
+    others = [n for n in ran if n != baseline]
+    movers = [n for n in ran if any(n in row.get('state_bytes', {}) for row in table['rows'])]
+    headers = ['case'] + [f"{n} {unit}" for n in ran] + [f"{n} / {baseline}" for n in others]
+    if movers:
+        headers += [f"state MB moved ({', '.join(movers)})"] + [f"{n} TB/s" for n in movers]
+    rows = []
+    for row in table['rows']:
+        times, moved = row[unit], row.get('state_bytes', {})
+        cells = [row['case']] + [_num(times.get(n), '.1f' if unit == 'us' else '.3f') for n in ran]
+        cells += [_num(_ratio(times.get(n), times.get(baseline)), '.2f') for n in others]
+        if movers:
+            cells.append(', '.join(_num(None if n not in moved else moved[n] / 1e6, '.1f') for n in movers))
+            cells += [_num(None if n not in moved or n not in times
+                           else moved[n] / (times[n] * UNIT_SECONDS[unit]) / 1e12, '.2f') for n in movers]
+        rows.append(cells)
+    return f"### {SERVING_TITLES[table['table']]}\n\n{_table(headers, rows)}{_error_block(_errors(table))}"
+
+
+def serving_table(section: dict, record: dict) -> str:
+    title = (f"## Serving: state pools addressed by slot indices, H = {section['H']}, K = V = {section['K']}, "
+             f"bf16 inputs ({_commit_note(section, record)})")
+    return '\n\n'.join([title] + [_pool_table(table) for table in section['tables']])
 
 
 def _software(record: dict) -> str:
@@ -226,11 +275,15 @@ def render(record: dict, plot_link: str | None = None, json_name: str = 'benchma
             parts.append(profile_table(section, record))
         elif kind == 'layer':
             parts.append(layer_table(section, record))
+        elif kind == 'serving':
+            parts.append(serving_table(section, record))
+        elif kind == 'compile':
+            parts.append(compile_table(section, record))
         elif kind == 'failed':
             parts.append(f"## {section['part']}: failed\n\n{section['error']}")
         else:
             raise ValueError(f"record section kind {kind!r}: expected chunk, decode, throughput, profile, "
-                             "layer or failed")
+                             "layer, serving, compile or failed")
     return '\n\n'.join(parts) + '\n'
 
 

@@ -18,6 +18,11 @@ Parts, each a section of the record:
 * ``throughput``: forward tokens/s at B * T = 32768, H = 32, T = 2048 .. 32768 (the plot).
 * ``layer``: the KDA layer (``kda.layers.KimiDeltaAttention``) beside FLA's with the same weights:
   a training step and decode steps from a cache (``layer.py``).
+* ``serving``: state pools addressed by slot indices: decode through bf16 and float32 pools, 32
+  steps in one CUDA graph, prefill into the pool against gather + call + scatter, speculative
+  decode against single steps (``serving.py``).
+* ``compile``: a Kimi training step and a decode step of ours, eager beside ``torch.compile``
+  and (decode) ``mode='reduce-overhead'`` (``compile.py``).
 
 Each chunk row also holds the allocator peak of one call (inputs included) and the time floor
 (``floors.py``).
@@ -31,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import cases, layer
+from . import cases, layer, serving
+from . import compile as compile_part
 from .floors import (
     BYTES_PER_S,
     FLOPS_PER_S,
@@ -40,7 +46,8 @@ from .floors import (
     decode_state_bytes,
 )
 
-PARTS = ('fwd', 'fwd-kimi', 'fwdbwd', 'fwdbwd-kimi', 'profile', 'profile-kimi', 'decode', 'throughput', 'layer')
+PARTS = ('fwd', 'fwd-kimi', 'fwdbwd', 'fwdbwd-kimi', 'profile', 'profile-kimi', 'decode', 'throughput', 'layer',
+         'serving', 'compile')
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / 'benchmarks' / 'results.json'
 DEFAULT_PAGE = ROOT / 'BENCHMARKS.md'
@@ -72,6 +79,15 @@ def describe(parts, quick: bool) -> list[str]:
         'layer': (f"layer: KimiDeltaAttention, hidden {layer.HIDDEN}, H = {layer.HEADS}, training step at "
                   f"({layer.train_batch(quick)}, {layer.TRAIN_T}), decode step at B = "
                   f"{', '.join(map(str, layer.decode_batches(quick)))} (eager and CUDA graph), ours and FLA"),
+        'serving': (f"serving: state pools, H = {serving.DECODE_H}: decode step at B = "
+                    f"{', '.join(map(str, serving.pool_batches(quick)))} (bf16 and float32 pools), "
+                    f"{serving.GRAPH_LAYERS} steps at B = 1 in one CUDA graph, prefill N x T = "
+                    f"{', '.join(f'{N} x {T}' for N, T in serving.prefill_cases(quick))} into the pool against "
+                    f"gather + call + scatter, speculative T = {serving.SPEC_T} at N = {serving.SPEC_N} against "
+                    f"{serving.SPEC_T} single steps, ours and FLA"),
+        'compile': (f"compile: ours eager against torch.compile, Kimi training step at (1, "
+                    f"{compile_part.QUICK_TRAIN_T if quick else compile_part.TRAIN_T}), decode step into a pool "
+                    f"at B = {', '.join(map(str, compile_part.DECODE_BATCHES))} (also mode='reduce-overhead')"),
     }
     return [lines[p] for p in parts]
 
@@ -294,8 +310,8 @@ def throughput_section(impls: dict, bench, quick: bool, commit: str) -> dict:
 def no_gpu_message(parts) -> str:
     return ("python -m benchmarks run needs a CUDA GPU and found none: it would time ours beside FLA "
             f"and FlashKDA ({', '.join(parts)}: chunk_kda forward and forward + backward at the five "
-            "shapes, fused_recurrent_kda decode, forward throughput) and write the results JSON and "
-            "BENCHMARKS.md; --dry-run lists every case. Nothing measured.")
+            "shapes, fused_recurrent_kda decode, forward throughput, the layer, state pools, torch.compile) "
+            "and write the results JSON and BENCHMARKS.md; --dry-run lists every case. Nothing measured.")
 
 
 def main(args) -> int:
@@ -373,6 +389,8 @@ def measure(args, parts) -> int:
         'decode': lambda: decode_section(ours, fla, bench, args.quick, commit),
         'throughput': lambda: throughput_section(chunk_impls('g', False), bench, args.quick, commit),
         'layer': lambda: layer.layer_section(ours, fla, bench, args.quick, commit),
+        'serving': lambda: serving.serving_section(ours, fla, bench, args.quick, commit),
+        'compile': lambda: compile_part.compile_section(bench, args.quick, commit),
     }
     raise_clocks()
     json_path, page_path = Path(args.json), Path(args.page)

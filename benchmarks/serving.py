@@ -1,22 +1,24 @@
-"""Serving rows: state pools addressed by slot indices, as an inference engine calls the kernels
-(docs/API.md, "State pools"). ``serving_section`` times, H = 32, K = V = 128, bf16 inputs:
+"""Serving tables: state pools addressed by slot indices, as an inference engine calls the kernels
+(docs/API.md, "State pools"). ``serving_section`` (the ``serving`` part of ``python -m benchmarks
+run``) times, H = 32, K = V = 128, bf16 inputs:
 
-* ``decode``: one decode step (T = 1) through a pool of 2B slots at B = 64 and 256: ours with a
-  bf16 pool and a float32 one, FLA's ``fused_recurrent_kda_fwd`` with its float32 pool. A step
-  moves the addressed states twice (read, write): half the bytes in bf16.
+* ``decode``: one decode step (T = 1) through a pool of 2B slots at B = 64 and 256 (64 with
+  ``quick``): ours with a bf16 pool and a float32 one, FLA's ``fused_recurrent_kda_fwd`` with its
+  float32 pool. A step moves the addressed states twice (read, write): half the bytes in bf16.
 * ``graph``: 32 decode steps at B = 1, each on its own pool (a model's 32 layers), captured in
   one CUDA graph; the replay's time divided by 32, for ours and FLA.
 * ``prefill``: ``chunk_kda`` with ``initial_state_indices`` (the sweep reads and writes the
   pool) against gathering the slots, a plain call and scattering the final states back, at
-  N = 64 sequences of 512 tokens and N = 8 of 4096 (varlen, float32 pool); FLA's gather + call
-  + scatter beside.
+  N = 64 sequences of 512 tokens and N = 8 of 4096 (the first with ``quick``; varlen, float32
+  pool); FLA's gather + call + scatter beside.
 * ``speculative``: T = 4 tokens (three drafts) for N = 64 sequences, ``ssm_state_indices``
   ``[N, 4]`` with ``num_accepted_tokens``, against four single-token steps; the state bytes each
   moves (one read and four writes against four reads and four writes).
 
-Not wired into ``run.py``'s parts; a part there calls ``serving_section(ours, fla, bench, quick,
-commit)``. ``pool_drift`` (CPU, ``python -m benchmarks.serving drift``) measures how far a bf16
-pool's decode strays from float32 and float64 over many steps.
+The section holds one table a bullet (``tables``: name, unit, implementations, rows); a row holds
+its times under the unit's key and, where it moves states, ``state_bytes`` per implementation.
+``pool_drift`` (CPU, ``python -m benchmarks.serving drift``) measures how far a bf16 pool's
+decode strays from float32 and float64 over many steps.
 """
 from __future__ import annotations
 
@@ -28,6 +30,17 @@ DECODE_POOL_BATCHES = (64, 256)
 GRAPH_LAYERS = 32
 PREFILL_CASES = ((64, 512), (8, 4096))      # (sequences, tokens each)
 SPEC_N, SPEC_T = 64, 4
+POOL_IMPLEMENTATIONS = ['ours bf16 pool', 'ours float32 pool', 'FLA float32 pool']
+PREFILL_IMPLEMENTATIONS = ['ours pool', 'ours gather + call + scatter', 'FLA gather + call + scatter']
+SPEC_IMPLEMENTATIONS = ['ours speculative', f'ours {SPEC_T} single steps', 'FLA speculative']
+
+
+def pool_batches(quick: bool) -> tuple[int, ...]:
+    return DECODE_POOL_BATCHES[:1] if quick else DECODE_POOL_BATCHES
+
+
+def prefill_cases(quick: bool) -> tuple[tuple[int, int], ...]:
+    return PREFILL_CASES[:1] if quick else PREFILL_CASES
 
 
 def state_bytes(states: int, dtype_bytes: int, H: int = DECODE_H, K: int = HEAD_DIM, V: int = HEAD_DIM) -> int:
@@ -73,12 +86,12 @@ def _bench(bench, fn):
     return None if fn is None else (lambda: bench(fn))
 
 
-def decode_rows(ours, fla, bench) -> list[dict]:
+def decode_table(ours, fla, bench, quick: bool) -> dict:
     """A decode step through a pool: bf16 and float32 pools (ours), FLA's float32 one."""
     import torch
     fla_step = fla.extras.get('serving_step')
     rows = []
-    for B in DECODE_POOL_BATCHES:
+    for B in pool_batches(quick):
         x = _decode_step_inputs(B)
         idx = torch.randperm(2 * B, device='cuda')[:B].int()
         out = torch.empty_like(x['v'])
@@ -94,10 +107,10 @@ def decode_rows(ours, fla, bench) -> list[dict]:
             **x, initial_state=pools[torch.float32], inplace_final_state=True, ssm_state_indices=idx, out=out,
             use_qk_l2norm_in_kernel=True))))
         rows.append(row)
-    return rows
+    return dict(table='decode', unit='us', implementations=POOL_IMPLEMENTATIONS, rows=rows)
 
 
-def graph_row(ours, fla, bench) -> dict:
+def graph_table(ours, fla, bench, quick: bool) -> dict:
     """``GRAPH_LAYERS`` B = 1 decode steps on as many pools in one CUDA graph, per step."""
     import torch
 
@@ -106,9 +119,8 @@ def graph_row(ours, fla, bench) -> dict:
                B=1, us={}, errors={})
     layers = [_decode_step_inputs(1, seed=i) for i in range(GRAPH_LAYERS)]
     idx = torch.tensor([3], device='cuda', dtype=torch.int32)
-    for name, fn, dtype in (('ours bf16 pool', ours.recurrent, torch.bfloat16),
-                            ('ours float32 pool', ours.recurrent, torch.float32),
-                            ('FLA float32 pool', fla.extras.get('serving_step'), torch.float32)):
+    for name, fn, dtype in zip(POOL_IMPLEMENTATIONS, (ours.recurrent, ours.recurrent, fla.extras.get('serving_step')),
+                               (torch.bfloat16, torch.float32, torch.float32)):
         if fn is None:
             row['errors'][name] = 'not available'
             continue
@@ -120,7 +132,7 @@ def graph_row(ours, fla, bench) -> dict:
                 fn(**x, initial_state=pool, inplace_final_state=True, ssm_state_indices=idx, out=out,
                    use_qk_l2norm_in_kernel=True)
         _time(row, name, lambda steps=steps: graph_replay_ms(steps, bench) / GRAPH_LAYERS)
-    return row
+    return dict(table='graph', unit='us', implementations=POOL_IMPLEMENTATIONS, rows=[row])
 
 
 def _varlen_prefill_inputs(N: int, T: int, seed: int = 0) -> dict:
@@ -131,11 +143,11 @@ def _varlen_prefill_inputs(N: int, T: int, seed: int = 0) -> dict:
     return x
 
 
-def prefill_rows(ours, fla, bench) -> list[dict]:
+def prefill_table(ours, fla, bench, quick: bool) -> dict:
     """Pool prefill against gather + call + scatter (ms)."""
     import torch
     rows = []
-    for N, T in PREFILL_CASES:
+    for N, T in prefill_cases(quick):
         x = _varlen_prefill_inputs(N, T)
         pool = _pool(2 * N, torch.float32)
         idx = torch.randperm(2 * N, device='cuda')[:N].int()
@@ -152,10 +164,10 @@ def prefill_rows(ours, fla, bench) -> list[dict]:
         _time(row, 'ours gather + call + scatter', _bench(bench, gathered(ours.chunk)), 'ms')
         _time(row, 'FLA gather + call + scatter', _bench(bench, fla.chunk and gathered(fla.chunk)), 'ms')
         rows.append(row)
-    return rows
+    return dict(table='prefill', unit='ms', implementations=PREFILL_IMPLEMENTATIONS, rows=rows)
 
 
-def speculative_row(ours, fla, bench) -> dict:
+def speculative_table(ours, fla, bench, quick: bool) -> dict:
     """T = SPEC_T tokens for SPEC_N sequences in one speculative call against SPEC_T single steps."""
     import torch
     N, T = SPEC_N, SPEC_T
@@ -166,9 +178,9 @@ def speculative_row(ours, fla, bench) -> dict:
     out = torch.empty_like(x['v'])
     single = [{n: t[:, i:i + 1].contiguous() for n, t in x.items()} for i in range(T)]
     single_out = [torch.empty_like(s['v']) for s in single]
+    one_call, single_steps = state_bytes(N * (1 + T), 4), state_bytes(N * 2 * T, 4)
     row = dict(case=f"speculative T = {T}, N = {N}", N=N, T=T, us={}, errors={},
-               state_bytes={'one speculative call': state_bytes(N * (1 + T), 4),
-                            f'{T} single steps': state_bytes(N * 2 * T, 4)})
+               state_bytes=dict(zip(SPEC_IMPLEMENTATIONS, (one_call, single_steps, one_call))))
 
     def spec(fn):
         return lambda: fn(**x, initial_state=pool, inplace_final_state=True, ssm_state_indices=idx,
@@ -182,23 +194,21 @@ def speculative_row(ours, fla, bench) -> dict:
     _time(row, f'ours {T} single steps', _bench(bench, steps))
     fla_step = fla.extras.get('serving_step')
     _time(row, 'FLA speculative', _bench(bench, fla_step and spec(fla_step)))
-    return row
+    return dict(table='speculative', unit='us', implementations=SPEC_IMPLEMENTATIONS, rows=[row])
 
 
 def serving_section(ours, fla, bench, quick: bool, commit: str) -> dict:
-    """The serving rows (module docstring); decode and speculative times in us, prefill in ms.
-    ``quick`` keeps the first case of each table."""
+    """The serving tables (module docstring); decode, graph and speculative times in us, prefill
+    in ms. ``quick`` times the first case of each table."""
     import torch
 
     from .timing import free_memory
-    rows = []
+    tables = []
     with torch.inference_mode():
-        for make in (decode_rows, graph_row, prefill_rows, speculative_row):
-            made = make(ours, fla, bench)
-            made = made if isinstance(made, list) else [made]
-            rows += made[:1] if quick else made
+        for make in (decode_table, graph_table, prefill_table, speculative_table):
+            tables.append(make(ours, fla, bench, quick))
             free_memory()
-    return dict(kind='serving', commit=commit, H=DECODE_H, K=HEAD_DIM, V=HEAD_DIM, rows=rows)
+    return dict(kind='serving', commit=commit, H=DECODE_H, K=HEAD_DIM, V=HEAD_DIM, tables=tables)
 
 
 def pool_drift(steps: int = 4096, B: int = 4, H: int = 2, K: int = 64, V: int = 64, seed: int = 0,

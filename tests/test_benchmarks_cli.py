@@ -96,6 +96,87 @@ def test_report_renders_the_layer_section():
     assert 'ours, CUDA graph at training step (8, 4096), hidden 2048, H = 16: not captured' in page
 
 
+def test_dry_run_lists_the_serving_and_compile_parts(capsys):
+    assert {'serving', 'compile'} <= set(run.PARTS)
+    assert cli.main(['run', '--dry-run', '--parts', 'serving,compile']) == 0
+    text = capsys.readouterr().out
+    assert 'serving: state pools, H = 32: decode step at B = 64, 256 (bf16 and float32 pools)' in text
+    assert '32 steps at B = 1 in one CUDA graph' in text and 'prefill N x T = 64 x 512, 8 x 4096' in text
+    assert 'speculative T = 4 at N = 64 against 4 single steps' in text
+    assert 'compile: ours eager against torch.compile, Kimi training step at (1, 8192)' in text
+    assert "decode step into a pool at B = 1, 64 (also mode='reduce-overhead')" in text and '  layer' not in text
+    assert cli.main(['run', '--dry-run', '--quick', '--parts', 'serving,compile']) == 0
+    text = capsys.readouterr().out
+    assert 'decode step at B = 64 (bf16' in text and 'prefill N x T = 64 x 512 into' in text
+    assert 'training step at (1, 2048)' in text
+
+
+def _serving_section():
+    """Decode: 64 slots of 32 x 128 x 128 states, read and written: 134217728 B in bf16, twice that
+    in float32. Speculative: 64 x (1 + 4) and 64 x 8 float32 state accesses. The prefill row
+    carries bytes for one implementation only, in a table timed in ms."""
+    decode = dict(case='decode B = 64, pool 2B', B=64, us={'ours bf16 pool': 40.0, 'ours float32 pool': 80.0,
+                                                          'FLA float32 pool': 100.0}, errors={},
+                  state_bytes={'ours bf16 pool': 134217728, 'ours float32 pool': 268435456,
+                               'FLA float32 pool': 268435456})
+    graph = dict(case='32 steps at B = 1, 32 pools, one CUDA graph (per step)', B=1,
+                 us={'ours bf16 pool': 3.0, 'ours float32 pool': 3.5}, errors={'FLA float32 pool': 'not available'})
+    prefill = dict(case='prefill N = 64 x 512', N=64, T=512, errors={}, state_bytes={'ours pool': 268435456},
+                   ms={'ours pool': 2.0, 'ours gather + call + scatter': 3.0, 'FLA gather + call + scatter': 5.0})
+    speculative = dict(case='speculative T = 4, N = 64', N=64, T=4, errors={},
+                       us={'ours speculative': 100.0, 'ours 4 single steps': 160.0, 'FLA speculative': 200.0},
+                       state_bytes={'ours speculative': 671088640, 'ours 4 single steps': 1073741824,
+                                    'FLA speculative': 671088640})
+    pool_names = ['ours bf16 pool', 'ours float32 pool', 'FLA float32 pool']
+    return dict(kind='serving', commit='commit-e', H=32, K=128, V=128, tables=[
+        dict(table='decode', unit='us', implementations=pool_names, rows=[decode]),
+        dict(table='graph', unit='us', implementations=pool_names, rows=[graph]),
+        dict(table='prefill', unit='ms', implementations=list(prefill['ms']), rows=[prefill]),
+        dict(table='speculative', unit='us', implementations=list(speculative['us']), rows=[speculative])])
+
+
+def test_report_renders_the_serving_section():
+    page = report.render(dict(_record(), sections=[_serving_section()]))
+    assert ('## Serving: state pools addressed by slot indices, H = 32, K = V = 128, bf16 inputs '
+            '(commit commit-e)') in page
+    assert ('| case | ours bf16 pool us | ours float32 pool us | FLA float32 pool us | ours float32 pool / ours '
+            'bf16 pool | FLA float32 pool / ours bf16 pool | state MB moved (ours bf16 pool, ours float32 pool, '
+            'FLA float32 pool) | ours bf16 pool TB/s | ours float32 pool TB/s | FLA float32 pool TB/s |') in page
+    # 134217728 B in 40 us = 3.36 TB/s; 268435456 B in 100 us = 2.68 TB/s
+    assert ('| decode B = 64, pool 2B | 40.0 | 80.0 | 100.0 | 2.00 | 2.50 | 134.2, 268.4, 268.4 | 3.36 | 3.36 '
+            '| 2.68 |') in page
+    # a table whose rows carry no bytes has no bytes columns
+    assert '| 32 steps at B = 1, 32 pools, one CUDA graph (per step) | 3.0 | 3.5 | 1.17 |' in page
+    assert '- FLA float32 pool: not available' in page
+    # 268435456 B in 2 ms = 0.13 TB/s
+    assert '| prefill N = 64 x 512 | 2.000 | 3.000 | 5.000 | 1.50 | 2.50 | 268.4 | 0.13 |' in page
+    assert '| ours gather + call + scatter / ours pool | FLA gather + call + scatter / ours pool |' in page
+    # 671088640 B in 100 us = 6.71 TB/s, 1073741824 B in 160 us = 6.71 TB/s
+    assert ('| speculative T = 4, N = 64 | 100.0 | 160.0 | 200.0 | 1.60 | 2.00 | 671.1, 1073.7, 671.1 | 6.71 '
+            '| 6.71 | 3.36 |') in page
+    assert page.count('\n### ') == 4
+
+
+def test_report_renders_the_compile_section():
+    section = dict(kind='compile', commit='commit-f', H=32, K=128, V=128,
+                   implementations=['eager', 'compiled', 'compiled, reduce-overhead'],
+                   rows=[dict(case='training step, Kimi configuration, T = 8192', B=1, T=8192, unit='ms',
+                              times={'eager': 10.0, 'compiled': 8.0}, errors={}),
+                         dict(case='decode step, B = 1, pool in place', B=1, T=1, unit='us',
+                              times={'eager': 40.0, 'compiled': 30.0, 'compiled, reduce-overhead': 10.0}, errors={}),
+                         dict(case='decode step, B = 64, pool in place', B=64, T=1, unit='us',
+                              times={'eager': 50.0, 'compiled, reduce-overhead': 20.0},
+                              errors={'compiled': 'Unsupported: graph break'})])
+    page = report.render(dict(_record(), sections=[section]))
+    assert '## torch.compile beside eager, ours, H = 32, K = V = 128, bf16 (commit commit-f)' in page
+    assert ('| case | unit | eager | compiled | compiled, reduce-overhead | compiled / eager | '
+            'compiled, reduce-overhead / eager |') in page
+    assert '| training step, Kimi configuration, T = 8192 | ms | 10.000 | 8.000 | - | 0.80 | - |' in page
+    assert '| decode step, B = 1, pool in place | us | 40.000 | 30.000 | 10.000 | 0.75 | 0.25 |' in page
+    assert '| decode step, B = 64, pool in place | us | 50.000 | - | 20.000 | - | 0.40 |' in page
+    assert '- compiled at decode step, B = 64, pool in place: Unsupported: graph break' in page
+
+
 def test_unknown_part_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(['run', '--parts', 'fwd,nonsense'])
