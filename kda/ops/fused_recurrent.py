@@ -202,7 +202,7 @@ def fused_recurrent_kda(
     # idx[::2]) must be made dense first (a no-op, so CUDA-graph safe, for dense tensors).
     cu_seqlens, ssm_state_indices, num_accepted_tokens = contiguous(cu_seqlens, ssm_state_indices,
                                                                     num_accepted_tokens)
-    B, T, H, HV, K, V, N = problem.B, problem.T, problem.H, problem.HV, problem.K, problem.V, problem.N
+    B, T, HV, K, V, N = problem.B, problem.T, problem.HV, problem.K, problem.V, problem.N
     if out is None:
         out = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     if initial_state is not None and not initial_state.is_contiguous():
