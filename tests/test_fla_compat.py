@@ -15,7 +15,8 @@ import torch
 
 from kda import chunk_kda, fused_recurrent_kda
 from kda.ops.validation import validate_activations
-from conftest import make_inputs, make_state
+from conftest import make_inputs, make_state, rel_err
+from kda import naive_recurrent_kda
 
 B, T, H, HV, K, V = 2, 40, 2, 4, 16, 8
 FUNCTIONS = {'chunk_kda': chunk_kda, 'fused_recurrent_kda': fused_recurrent_kda}
@@ -161,3 +162,29 @@ def test_positional_scale_in_fused_recurrent_is_named():
     x = inputs()
     with pytest.raises(TypeError, match=r'A_log must be a torch.Tensor or None, got float.*scale=\.\.\. by keyword'):
         fused_recurrent_kda(*x.values(), 0.5)
+
+
+@pytest.mark.parametrize('fn', FUNCTIONS.values(), ids=FUNCTIONS.keys())
+def test_lower_bound_below_minus_5_without_safe_gate(fn):
+    """FLA takes any negative lower_bound without safe_gate. Steps of down to -12 span more than
+    FAR_SPAN within a 16-row block, so the pair kernels must take their general build (with the
+    far-entry fallback), not the one that -5 allows; outputs and every gradient match the float64
+    recurrence of the activated gate."""
+    from kda.ops.gate import activate_gate
+    x = make_inputs(1, T, H, HV, K, V, normalize_k=False)
+    x['g'] = 4 * torch.randn(1, T, HV, K)                     # sigmoid near 0 and 1: steps -12..0
+    A_log, dt_bias = torch.randn(HV) * 0.3, torch.randn(HV * K) * 0.3
+    leaves = {n: t.clone().requires_grad_(fn is chunk_kda) for n, t in dict(x, A_log=A_log, dt_bias=dt_bias).items()}
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-12.0)
+    o, _ = fn(**{n: leaves[n] for n in x}, A_log=leaves['A_log'], dt_bias=leaves['dt_bias'], **opts)
+    ref = {n: t.detach().double().requires_grad_(fn is chunk_kda) for n, t in leaves.items()}
+    g64 = activate_gate(ref['g'], ref['A_log'], ref['dt_bias'], -12.0).double()
+    assert g64.min() < -10, "the test must reach steps far below -5"
+    o64, _ = naive_recurrent_kda(ref['q'], ref['k'], ref['v'], g64, ref['beta'], use_qk_l2norm_in_kernel=True)
+    assert rel_err(o, o64) < 2e-5
+    if fn is chunk_kda:
+        do = torch.randn_like(o64)
+        o.backward(do.float())
+        o64.backward(do)
+        for name in leaves:
+            assert rel_err(leaves[name].grad, ref[name].grad) < 2e-5, f"d{name}"

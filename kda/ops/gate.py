@@ -36,10 +36,10 @@ class KernelGate:
 
 
 def bounded_decay(gate: KernelGate | None) -> bool:
-    """Whether every step's log-decay is >= -5: the lower-bound gate's are >= lower_bound, which
-    validation keeps in [-5, 0). The pair kernels' builds for it skip their far-entry fallbacks
-    (``BOUNDED_DECAY``, ``ALL_NEAR``)."""
-    return gate is not None and gate.kind == 'sigmoid'
+    """Whether every step's log-decay is >= -5: the lower-bound gate's are >= lower_bound. The
+    pair kernels' builds for it skip their far-entry fallbacks (``BOUNDED_DECAY``, ``ALL_NEAR``),
+    which a 16-row block's span of at most 75 < FAR_SPAN allows."""
+    return gate is not None and gate.kind == 'sigmoid' and gate.lower_bound >= -5
 
 
 def activate_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,

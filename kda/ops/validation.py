@@ -282,8 +282,12 @@ def validate_activations(HV: int, K: int, device: torch.device, use_gate_in_kern
                           UserWarning, stacklevel=CALLER_STACKLEVEL)
         return NO_GATE
     if lower_bound is not None:
-        if not -5 <= lower_bound < 0:
-            raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
+        # safe_gate promises steps of at least -5 (what FLA's fast paths assume); without it any
+        # finite negative bound is taken, as FLA takes it.
+        if safe_gate and not -5 <= lower_bound < 0:
+            raise ValueError(f"lower_bound must lie in [-5, 0) with safe_gate=True, got {lower_bound}")
+        if not -math.inf < lower_bound < 0:
+            raise ValueError(f"lower_bound must be finite and < 0, got {lower_bound}")
     elif A_log is None:
         raise ValueError("use_gate_in_kernel=True needs A_log (or lower_bound with A_log optional)")
     if safe_gate and lower_bound is None:
