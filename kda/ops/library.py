@@ -43,7 +43,8 @@ from kda.reference import chunk_kda_reference
 
 def kernel_path(q: Tensor) -> bool:
     """Whether ``chunk_kda`` runs its kernels on tensors like ``q``: on CUDA, and in Triton's
-    interpreter but for bf16 (its ``tl.dot`` multiplies bf16 bit patterns: api.py)."""
+    interpreter but for bf16 (its ``tl.dot`` multiplies bf16 bit patterns): the test of
+    ``chunk_kda``'s eager path (api.py), inside the ops."""
     return use_kernels(q) and not (INTERPRET and q.dtype == torch.bfloat16)
 
 

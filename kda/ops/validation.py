@@ -413,8 +413,9 @@ def validate_slot_indices(name: str, indices, N: int, device: torch.device,
 
 def refuse_shared_slots(name: str, indices: torch.Tensor) -> None:
     """Two sequences writing one slot would race: refused where the indices can be read without
-    a device sync (on the CPU). Negative entries are padding and may repeat."""
-    if indices.device.type != 'cpu':
+    a device sync (on the CPU) and outside a ``torch.compile`` trace (which cannot branch on
+    their values). Negative entries are padding and may repeat."""
+    if indices.device.type != 'cpu' or torch.compiler.is_compiling():
         return
     live = indices[indices >= 0]
     unique = torch.unique(live)

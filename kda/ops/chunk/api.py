@@ -15,7 +15,7 @@ from kda.ops.chunk.function import ChunkKDAFunction
 from kda.ops import library
 from kda.ops.chunk.layout import chunk_layout, device_chunk_layout, max_varlen_chunks
 from kda.ops.gate import KernelGate, activate_beta, activate_gate, kernel_beta
-from kda.ops.utils import contiguous, on_q_device
+from kda.ops.utils import INTERPRET, contiguous, on_q_device, use_kernels
 from kda.ops.validation import (
     _expect_bool,
     cast_intermediate_states,
@@ -164,7 +164,7 @@ def chunk_kda(
     # Not bf16 in Triton's interpreter: its tl.dot multiplies bf16 operands' raw bit patterns
     # (triton-lang/triton#11584), and the kernels' answer is finite garbage there (relative error
     # ~3e11 against the reference at (1, 64, 1, 1, 16, 16)); the PyTorch path serves those calls.
-    if not library.kernel_path(q):
+    if not use_kernels(q) or (INTERPRET and q.dtype == torch.bfloat16):
         if use_beta_sigmoid_in_kernel:
             beta = activate_beta(beta, allow_neg_eigval)
         if use_gate_in_kernel:
