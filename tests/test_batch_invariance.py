@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kda.ops.chunk as chunk_mod
+import kda.ops.chunk.launch as chunk_launch
+import kda.ops.chunk.schedule as chunk_schedule
 from kda import chunk_kda, fused_recurrent_kda
 from kda.ops.utils import INTERPRET
 from conftest import HAS_CUDA, make_cu_seqlens, make_inputs, make_state
@@ -141,7 +142,8 @@ def test_chunk_batch_invariance(monkeypatch, config):
     batch) must agree too."""
     H, HV, opts, with_h0, chunk_size = CONFIGS[config]
     # Every batch under the choices of a one-SM GPU (many programs for it), as in the interpreter.
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 1)
+    for module in (chunk_launch, chunk_schedule):      # each binds sm_count
+        monkeypatch.setattr(module, 'sm_count', lambda device: 1)
     params = _gate_params(HV, opts)
     x = _sequence(SEQ_LEN, H, HV, opts)
     others = [_sequence(T, H, HV, opts) for T in (20, 0, 33, SEQ_LEN)]
@@ -164,7 +166,8 @@ def test_chunk_batch_invariance(monkeypatch, config):
     for what, ((batch, n), skip) in cases.items():
         _assert_same_bits(_run_chunk(batch, n, params, opts, chunk_size), alone, what, skip)
     # Alone on a GPU it leaves idle: FEW_PROGRAMS, halved value slices, transposed backward sweeps.
-    monkeypatch.setattr(chunk_mod, 'sm_count', lambda device: 10 ** 6)
+    for module in (chunk_launch, chunk_schedule):
+        monkeypatch.setattr(module, 'sm_count', lambda device: 10 ** 6)
     (batch, n), _ = cases['alone, varlen']
     _assert_same_bits(_run_chunk(batch, n, params, opts, chunk_size), alone, 'alone, many SMs', gate_grads)
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kda.ops.chunk as chunk_mod
+import kda.ops.chunk.api as chunk_mod
 import kda.ops.fused_recurrent as recurrent_mod
 from kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
 from kda.ops.utils import INTERPRET

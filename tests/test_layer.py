@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import kda.ops.decode_step as decode_step_mod
 import kda.ops.gated_norm as gated_norm_mod
 import kda.ops.short_conv as short_conv_mod
-import kda.ops.chunk as chunk_mod
+import kda.ops.chunk.api as chunk_mod
 import kda.ops.fused_recurrent as fused_recurrent_mod
 from kda import naive_recurrent_kda
 from kda.layers import KimiDeltaAttention, hf_kimi_linear_to_fla
