@@ -131,6 +131,7 @@ def _assert_same_bits(got: dict, want: dict, what: str, skip=()) -> None:
             f"(max {(x - ref).abs().max().item():.3e})"
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('config', [pytest.param(c, marks=BETA_LOGITS_ON_CPU) if 'beta-logits' in c else c
                                     for c in CONFIGS])

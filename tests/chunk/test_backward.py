@@ -123,6 +123,7 @@ def test_disable_recompute_same_gradients(config):
         assert_errs(errors(o2, h2, g2, ro, rht, rgd), TOL, "disable_recompute")
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 @pytest.mark.parametrize('gate', [False, True])

@@ -111,6 +111,7 @@ def test_forward_decayed_keys_and_queries(chunk_size, lengths, H, HV, K, dtype):
         assert rel_err(got, again) < tol, f"{name}: {rel_err(got, again):.2e} against the recompute"
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('chunk_size,lengths,H,HV', [
     (64, [70], 1, 1), (32, [70], 1, 2), (64, [1, 65, 49, 2], 1, 2), (32, [1, 33, 17, 64], 2, 2)])
@@ -303,6 +304,7 @@ def test_all_near_pair_products(monkeypatch, inference):
         [float((a - b).abs().max()) for a, b in zip(near, general)]
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('beta_case', ['logits', 'logits-neg-eigval', 'logits-fp16', 'logits-permuted',
                                        'given', 'given-fp16', 'given-strided'])

@@ -22,6 +22,7 @@ from chunk_helpers import (CHUNK_MODULES, KDEV, MATRIX, check_case, check_lowp, 
 pytestmark = pytest.mark.usefixtures('bounds_checked_memory')
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('rule', ['halved_state_slice', 'K256'])
 def test_launch_rules(monkeypatch, rule):
