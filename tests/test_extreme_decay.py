@@ -105,6 +105,7 @@ def oracle_with_grads(x, gate, h0, do, dht):
     return o, ht, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', EXTREME)
 def test_chunk_extreme_decay_is_exact(path, case):
     x, gate = extreme_inputs(case)
@@ -173,6 +174,7 @@ def check_policy(o, ht, ro, rht, first_nan):
         "the other sequence changed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('bad', BAD)
 def test_chunk_bad_log_decay_policy(path, bad):
     """chunk_kda: NaN from the first token of the bad token's chunk on, in outputs, final state,

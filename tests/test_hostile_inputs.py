@@ -149,6 +149,7 @@ def test_finite_scale_is_accepted(scale):
 # forward: chunk_kda
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('name,chunk_size,t,bad', [
     *((n, 32, 45, math.nan) for n in ('q', 'k', 'v', 'g', 'beta')),       # inside a 16-row block
@@ -190,6 +191,7 @@ def test_chunk_forward_under_non_finite_input(name, chunk_size, t, bad):
 # forward: fused_recurrent_kda (exactly causal)
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('name,bad', [*((n, math.nan) for n in ('q', 'k', 'v', 'g', 'beta')),
                                       ('k', math.inf), ('v', -math.inf)],
@@ -256,6 +258,7 @@ def _check_spared_gradients(g1: dict, g2: dict, bos: int, eos: int, value_heads:
              f"dh0 of heads {value_heads}")
 
 
+@pytest.mark.slow
 @requires_kernels
 def test_chunk_backward_under_non_finite_output_gradient():
     """A NaN in the gradient arriving at ``o_t`` (one value head and channel): the gradients of
@@ -285,6 +288,7 @@ def test_chunk_backward_under_non_finite_output_gradient():
     assert not g2['q'][0, tok, BAD_VALUE_HEAD // group].isfinite().all(), "dq at t stayed finite"
 
 
+@pytest.mark.slow
 @requires_kernels
 def test_chunk_backward_under_non_finite_input():
     """A NaN in k (read by a group of value heads) at a token of the middle sequence: the other
@@ -306,6 +310,7 @@ def test_chunk_backward_under_non_finite_input():
 # g = -inf: a full decay, not an error
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('fn', ['chunk', 'recurrent'])
 def test_minus_infinite_log_decay_is_a_full_decay(fn):

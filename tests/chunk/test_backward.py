@@ -16,6 +16,7 @@ from chunk_helpers import (KDEV, TOL, assert_errs, check_case, cumsum_floor, err
 pytestmark = pytest.mark.usefixtures('bounds_checked_memory')
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('lengths', [None, [70, 58]], ids=['T128', 'varlen-partial'])
 def test_mild_decay_gradients(lengths):
@@ -31,6 +32,7 @@ def test_mild_decay_gradients(lengths):
     check_case(1, T, H, HV, K, V, chunk_size=64, lengths=lengths, inputs=x)
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('drop', [-58., -61., 'mixed', 'large_values'])
 def test_diagonal_block_paths(drop):
@@ -60,7 +62,7 @@ def test_diagonal_block_paths(drop):
 
 @pytest.mark.skipif(not INTERPRET or HAS_CUDA, reason="patches a kernel constant, which only the "
                     "interpreter reads at run time")
-@pytest.mark.parametrize('shape', ['varlen_BT32', 'T45_BT64'])
+@pytest.mark.parametrize('shape', [pytest.param('varlen_BT32', marks=pytest.mark.slow), 'T45_BT64'])
 def test_backward_group_path_everywhere(monkeypatch, shape):
     """The backward's 4-row group scheme for diagonal sub-blocks on every block (DIAG_SPAN patched
     below any span), including partial blocks at sequence ends, which the natural drops of
@@ -74,6 +76,7 @@ def test_backward_group_path_everywhere(monkeypatch, shape):
         check_case(1, 45, 1, 1, 32, 16, chunk_size=64)
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('lengths', [None, [0, 1, 19, 25]])
 def test_gradient_through_final_state_only(lengths):
@@ -91,6 +94,7 @@ def test_gradient_through_final_state_only(lengths):
     assert_errs(errs, TOL, f"state-only gradient lengths={lengths}")
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('config', ['plain', 'kimi'])
 def test_disable_recompute_same_gradients(config):
@@ -119,6 +123,7 @@ def test_disable_recompute_same_gradients(config):
         assert_errs(errors(o2, h2, g2, ro, rht, rgd), TOL, "disable_recompute")
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 @pytest.mark.parametrize('gate', [False, True])

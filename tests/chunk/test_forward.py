@@ -21,8 +21,15 @@ from chunk_helpers import (KDEV, MATRIX, TOL, assert_errs, check_case, check_low
 pytestmark = pytest.mark.usefixtures('bounds_checked_memory')
 
 
+# The matrix cases of over ~3 s in the interpreter: the fast tier keeps one of each kind
+# (fixed length, partial chunks, single token, K != V, varlen with empty and one-token sequences).
+SLOW_MATRIX = {'T70-BT64-gva12', 'T37-BT32-gva24-noh0-nofinal', 'T45-BT32-K60-V48-vfirst', 'T40-BT32-l2norm-scale',
+               'T40-BT32-B2-gva12-V72', 'varlen-BT64-vfirst-l2', 'varlen-BT32-gva-noh0', 'varlen-BT32-V72'}
+
+
 @requires_kernels
-@pytest.mark.parametrize('shape,opts', [pytest.param(s, o, id=i) for i, s, o in MATRIX])
+@pytest.mark.parametrize('shape,opts', [pytest.param(s, o, id=i, marks=[pytest.mark.slow] if i in SLOW_MATRIX else [])
+                                        for i, s, o in MATRIX])
 def test_matches_reference(shape, opts):
     check_matrix_case(shape, opts)
 
@@ -57,6 +64,7 @@ def test_agrees_with_fused_recurrent(varlen):
     assert_errs(errs, TOL, f"chunk vs fused_recurrent varlen={varlen}")
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('chunk_size,lengths,H,HV,K,dtype', [
     (32, [0, 1, 19, 45, 0, 33], 2, 4, 60, torch.float32), (64, [70], 1, 3, 48, torch.float16)])
@@ -103,6 +111,7 @@ def test_forward_decayed_keys_and_queries(chunk_size, lengths, H, HV, K, dtype):
         assert rel_err(got, again) < tol, f"{name}: {rel_err(got, again):.2e} against the recompute"
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('chunk_size,lengths,H,HV', [
     (64, [70], 1, 1), (32, [70], 1, 2), (64, [1, 65, 49, 2], 1, 2), (32, [1, 33, 17, 64], 2, 2)])
@@ -187,6 +196,7 @@ def test_forward_diagonal_row_factor_below_normal():
     assert abs(got - want) <= 1e-5 * abs(want), f"A'[2, 1]: {got:.4e}, want {want:.4e}"
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16,
                                    pytest.param(torch.bfloat16, marks=requires_bf16_kernels)])
@@ -229,6 +239,7 @@ def test_inference_l2norm_in_pair_products(dtype, layout):
         assert e <= 1.25 * e_train, f"{name}: {e:.3e} against float64, the training forward {e_train:.3e}"
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('inference', [True, False])
 def test_all_near_pair_products(monkeypatch, inference):
@@ -293,6 +304,7 @@ def test_all_near_pair_products(monkeypatch, inference):
         [float((a - b).abs().max()) for a, b in zip(near, general)]
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('beta_case', ['logits', 'logits-neg-eigval', 'logits-fp16', 'logits-permuted',
                                        'given', 'given-fp16', 'given-strided'])
@@ -325,6 +337,7 @@ def test_inference_beta_as_training(beta_case):
     assert torch.equal(o.cpu(), o_train) and torch.equal(ht.cpu(), ht_train)
 
 
+@pytest.mark.slow
 @requires_kernels
 def test_kernels_read_float32_beta(monkeypatch):
     """A 16-bit beta reaches the forward's kernels (``pair_products_and_solve``: the solve, and the sweep

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.usefixtures('bounds_checked_memory')
 
 @requires_kernels
 @pytest.mark.parametrize('gate', ['A_log+dt_bias', 'A_log_wide', 'A_log_tail', 'lower_bound',
-                                  'lower_bound_saturated', 'lower_bound_saturated+l2norm',
-                                  'lower_bound+A_log_varlen_K60'])
+                                  *(pytest.param(gate, marks=pytest.mark.slow) for gate in (
+                                      'lower_bound_saturated', 'lower_bound_saturated+l2norm',
+                                      'lower_bound+A_log_varlen_K60'))])
 def test_gate_and_beta_in_kernel(gate):
     """use_gate_in_kernel / use_beta_sigmoid_in_kernel: the activations of docs/API.md written out here
     in float64 as the oracle; gradients reach g_raw, beta logits, A_log and dt_bias.
@@ -197,6 +198,7 @@ def check_kimi_gate_gradients(dtype, B, T, H, K, V, device):
                          f"Kimi gate, {dtype}", low_cast=lambda t: t.float())
 
 
+@pytest.mark.slow
 @requires_kernels
 def test_kimi_gate_gradients_small():
     """check_kimi_gate_gradients in float32 at a small size (the interpreter's version of the

@@ -22,6 +22,7 @@ from chunk_helpers import (CHUNK_MODULES, KDEV, MATRIX, check_case, check_lowp, 
 pytestmark = pytest.mark.usefixtures('bounds_checked_memory')
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('rule', ['halved_state_slice', 'K256'])
 def test_launch_rules(monkeypatch, rule):
@@ -36,6 +37,7 @@ def test_launch_rules(monkeypatch, rule):
         check_case(1, 20, 1, 1, 256, 32, chunk_size=32)
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('case', ['T45-BT32-K60-V48-vfirst', 'T37-BT32-gva24-noh0-nofinal', 'varlen-BT32-V72',
                                   'varlen-BT64-vfirst-l2'])
@@ -101,6 +103,7 @@ def test_fused_sweep_slices(monkeypatch):
         assert cfg(stage)[:2] == (64, 4), stage
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('V', [72, 160])
 def test_fused_sweep_wide_slice(monkeypatch, V):
@@ -157,6 +160,7 @@ def test_forward_segments(monkeypatch):
         assert (None if seg is None else len(seg)) == count, (HV, seg)
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('case', ['T100-BT32-vfirst', 'T193-fp32-noh0', 'T150-gate-nofinal-inference',
                                   'T100-BT32-gate-busy', 'T100-BT32-busy-nofinal-inference'])

@@ -28,6 +28,7 @@ def _strong_gates(x, K):
     return x
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('chunk_size,pattern,lengths', [
     (64, 'stretch', None), (32, 'stretch', None), (64, 'conftest', None), (32, 'stretch', [21, 43])])
