@@ -176,6 +176,7 @@ def test_chunk_batch_invariance(monkeypatch, config):
     _assert_same_bits(_run_chunk(batch, n, params, opts, chunk_size), alone, 'alone, many SMs', gate_grads)
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('config', ['gva-h0-bt32', 'l2norm-kimi-gate-bt64', 'beta-logits-bt32'])
 def test_recurrent_batch_invariance(config):

@@ -75,7 +75,7 @@ CASES = {
     # the Kimi configuration on a sequence spanning three ranks
     'kimi_options': Case(3, (30, 1, 109), (45, 45, 50), HV=2, kimi=True),
     # the same in fewer tokens, for the interpreter: a one-token sequence, then one spanning all
-    'kimi_options_small': Case(3, (20, 1, 79), (30, 30, 40), HV=2, kimi=True, interpreter_slow=False),
+    'kimi_options_small': Case(3, (20, 1, 79), (30, 30, 40), HV=2, kimi=True),
     'kimi_options_two_ranks': Case(2, (77, 43), (60, 60), HV=4, kimi=True),
 }
 

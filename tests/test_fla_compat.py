@@ -39,6 +39,7 @@ def assert_same(a, b):
         assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"{name} differs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fn', FUNCTIONS.values(), ids=FUNCTIONS.keys())
 def test_transpose_state_layout_is_state_v_first_with_a_deprecation_warning(fn):
     x = inputs()
@@ -51,6 +52,7 @@ def test_transpose_state_layout_is_state_v_first_with_a_deprecation_warning(fn):
         fn(**x, state_v_first=True, transpose_state_layout=True)
 
 
+@pytest.mark.slow
 def test_lower_bound_beside_safe_gate_with_given_g_is_accepted():
     """FLA: with g given, safe_gate=True says g keeps the bound; lower_bound changes nothing."""
     x = inputs(g=-5 * torch.rand(B, T, HV, K))
@@ -59,6 +61,7 @@ def test_lower_bound_beside_safe_gate_with_given_g_is_accepted():
     assert_same(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fn', FUNCTIONS.values(), ids=FUNCTIONS.keys())
 @pytest.mark.parametrize('given', ['A_log', 'dt_bias', 'lower_bound'])
 def test_gate_parameters_without_the_gate_are_ignored_with_a_warning(fn, given):
@@ -70,6 +73,7 @@ def test_gate_parameters_without_the_gate_are_ignored_with_a_warning(fn, given):
     assert_same(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fn', FUNCTIONS.values(), ids=FUNCTIONS.keys())
 def test_gate_parameters_of_any_shape_holding_their_elements(fn):
     """A_log as [1, 1, HV, 1] (FLA's tests make it so) and dt_bias as [HV, K]: the same gate as
@@ -147,6 +151,7 @@ def test_dtype_message_names_each_dtype_once():
     assert 'float32 or float32' not in msg and 'g must have' in msg and 'bfloat16' in msg, msg
 
 
+@pytest.mark.slow
 def test_head_first_shapes_warn():
     """[B, H, T, K] passed as [B, T, H, K]: 3 'tokens' of 8 'heads' warns; as many tokens as heads,
     or more, does not."""

@@ -232,6 +232,7 @@ def _results(o, ht, grads: dict | None) -> dict:
     return out
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('seed', SEEDS)
 def test_random_cases(seed):

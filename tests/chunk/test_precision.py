@@ -65,6 +65,7 @@ def test_strong_decay(chunk_size, pattern, lengths):
         f"dg below the clamp: {gd['g'][clamped].abs().max():.1e}"
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('dtype', [torch.float16, pytest.param(torch.bfloat16, marks=requires_bf16_kernels)])
 @pytest.mark.parametrize('gate_dtype,grads', [(None, False), (torch.float32, True)])
@@ -72,6 +73,7 @@ def test_low_precision(dtype, gate_dtype, grads):
     check_lowp(dtype, gate_dtype, 2, 70, 1, 2, 32, 32, chunk_size=64, grads=grads)
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('dtype', [torch.float16, pytest.param(torch.bfloat16, marks=requires_bf16_kernels)])
 @pytest.mark.parametrize('K,V', [(16, 32), (32, 64)])

@@ -28,6 +28,7 @@ def states_path(request, monkeypatch):
     return KDEV
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('state_v_first,with_h0', [(False, True), (True, True), (False, False)])
 def test_intermediate_states(states_path, state_v_first, with_h0):
     B, T, H, HV, K, V, BT = 2, 70, 1, 2, 32, 16, 32

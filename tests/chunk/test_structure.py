@@ -18,6 +18,7 @@ from chunk_helpers import (KDEV, TOL, assert_errs, check_case, errors, lengths_t
 pytestmark = pytest.mark.usefixtures('bounds_checked_memory')
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('t,chunk_size', [(20, 32), (37, 32), (40, 64)])
 @pytest.mark.parametrize('kind', ['random', 'large', 'bounded_gate'])
@@ -107,6 +108,7 @@ def poisoned_allocations(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('lengths,chunk_size', [([0, 1, 19, 25], 32), ([5, 0, 65], 64), (None, 32)])
 def test_every_element_written(poisoned_allocations, lengths, chunk_size):
@@ -123,6 +125,7 @@ def test_every_element_written(poisoned_allocations, lengths, chunk_size):
     assert len(poisoned_allocations) >= 10       # the poison reached the launchers' allocations
 
 
+@pytest.mark.slow
 @requires_kernels
 @pytest.mark.parametrize('T,t1,chunk_size', [(70, 37, 32), (70, 45, 64)])
 def test_split_sequence(T, t1, chunk_size):
